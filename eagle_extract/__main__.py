@@ -1,0 +1,4 @@
+from .cli import main
+
+if __name__ == "__main__":  # vLLM spawns its engine process, which re-imports __main__
+    main()

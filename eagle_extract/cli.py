@@ -1,0 +1,101 @@
+"""The `eagle-extract` command line."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import click
+
+from .data import DataError
+from .extract import ExtractConfig, ExtractError, run
+from .layers import LayerError
+
+BUNDLED_MODEL = "smollm2"
+BUNDLED_DATA = "sharegpt_dummy_conversations.json"
+
+
+def _bundled_data() -> Path:
+    return Path(str(resources.files("eagle_extract") / "sample_data" / BUNDLED_DATA))
+
+
+def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
+    args = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"'{pair}' is not KEY=VALUE", param_hint="--engine-arg")
+        try:
+            args[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            args[key.replace("-", "_")] = value
+    return args
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--model", default=BUNDLED_MODEL, show_default=True,
+              help="Checkpoint folder (config.json, weights, tokenizer). 'smollm2' builds and uses the bundled "
+                   "SmolLM2-135M-Instruct.")
+@click.option("--data", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="JSON or JSONL conversations: OpenAI 'messages' or ShareGPT 'conversations' rows. "
+                   "[default: the bundled 500 ShareGPT sample conversations]")
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path), default=Path("eagle-extract-output"),
+              show_default=True, help="Output folder, laid out for `speculators train --data-path`.")
+@click.option("--layers", default=None,
+              help="Comma-separated auxiliary layer ids, vLLM EAGLE-3 convention (id L = residual stream "
+                   "entering layer L). The final slot (id = number of layers) is always added. "
+                   "[default: 2, n//2, n-3]")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size (GPUs per engine).")
+@click.option("--max-samples", type=int, default=None, help="Use at most this many rows. [default: all]")
+@click.option("--seq-length", type=int, default=2048, show_default=True,
+              help="Longer samples are truncated to this many tokens; the count is reported.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
+              show_default=True, help="Model dtype, and the dtype of the stored hidden states.")
+@click.option("--batch-size", type=int, default=256, show_default=True,
+              help="Samples handed to vLLM per generate call (progress is reported per call).")
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help="Token budget of one engine step; smaller values lower peak memory. [default: vLLM's]")
+@click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
+              help="Further vllm.LLM keyword argument, VALUE parsed as JSON when it can be; repeatable "
+                   "(e.g. --engine-arg gpu_memory_utilization=0.85).")
+@click.option("--decoder-path", default=None,
+              help="Dotted path of the module that owns the decoder `layers`, when the search cannot tell "
+                   "(e.g. language_model.model).")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (config, tokenizer).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing extraction in --output.")
+def main(model, data, output, layers, tp, max_samples, seq_length, dtype, batch_size, max_num_batched_tokens,
+         engine_args, decoder_path, trust_remote_code, overwrite):
+    """Capture EAGLE-3 training hidden states from a model running in vLLM.
+
+    Writes speculators' offline layout: an Arrow dataset (input_ids, loss_mask, seq_len),
+    token_freq.pt, hidden_states/hs_{i}.safetensors ([tokens, slots, hidden]) and a manifest.
+    With no options it extracts the bundled SmolLM2 model over the bundled conversations.
+    """
+    extra = _parse_engine_args(engine_args)
+    if max_num_batched_tokens:
+        extra["max_num_batched_tokens"] = max_num_batched_tokens
+    if model == BUNDLED_MODEL:
+        from .smollm2 import ensure_smollm2
+
+        model = str(ensure_smollm2())
+    cfg = ExtractConfig(
+        model=model, data=data or _bundled_data(), output=output, layers=layers, tp=tp,
+        dtype=dtype, seq_length=seq_length, max_samples=max_samples, batch_size=batch_size,
+        trust_remote_code=trust_remote_code, overwrite=overwrite, decoder_path=decoder_path, engine_args=extra,
+    )
+    try:
+        manifest = run(cfg, log=click.echo)
+    except (ExtractError, LayerError, DataError) as exc:
+        raise click.ClickException(str(exc)) from None
+    t = manifest["timing"]
+    click.echo(
+        f"done: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
+        f"{manifest['bytes_written'] / 2**20:.1f} MiB in {t['extract_s']:.1f} s "
+        f"({t['tokens_per_s']:,.0f} tokens/s; engine start {t['engine_start_s']:.1f} s); "
+        f"truncated {manifest['truncated']}, skipped {manifest['skipped']}"
+    )
+    click.echo(f"output: {Path(output).resolve()}")
+    ids = ",".join(map(str, manifest["aux_layer_ids"]))
+    click.echo(f"train on it: speculators train --verifier-name-or-path {model} --data-path {output} "
+               f"--target-layer-ids {ids}")

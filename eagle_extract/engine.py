@@ -1,0 +1,74 @@
+"""Starts `vllm.LLM` the one way hooks are guaranteed to fire: eager, no prefix caching.
+
+Only public surfaces: the `LLM` constructor's keyword arguments and environment
+variables documented for vLLM's CPU and GPU back ends.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .worker import EXTENSION_CLASS
+
+# Engine arguments eagle-extract owns; users may not override them through --engine-arg.
+FIXED_ARGS = {
+    "enforce_eager": True,  # compiled graphs and CUDA graphs bypass forward hooks
+    "enable_prefix_caching": False,  # cached prefixes are never computed, so never captured
+    "worker_extension_cls": EXTENSION_CLASS,
+}
+
+
+def _cpu_thread_binding(workers: int) -> str:
+    """Split this process's cores evenly over the CPU workers, as 'a-b|c-d'."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // workers)
+    groups = [cores[i * per : (i + 1) * per] or cores[-1:] for i in range(workers)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def prepare_environment(tp: int, pp: int) -> None:
+    """Set the environment vLLM needs here before it is imported; user settings win."""
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # fork deadlocks on GPU (FACTS §6)
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    except ImportError:
+        on_gpu = False
+    if not on_gpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        if tp * pp > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(tp * pp))
+
+
+def start_engine(
+    model: str,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    trust_remote_code: bool = False,
+    extra: dict | None = None,
+):
+    extra = dict(extra or {})
+    clash = sorted(k for k in extra if k in FIXED_ARGS or k in {"model", "tensor_parallel_size"})
+    if clash:
+        raise ValueError(f"engine argument(s) {', '.join(clash)} are set by eagle-extract; remove them")
+    prepare_environment(tp, pp)
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        trust_remote_code=trust_remote_code,
+        **FIXED_ARGS,
+        **extra,
+    )

@@ -1,0 +1,232 @@
+"""The extraction job: validate cheaply, start one engine, stream rows through it, finish the dataset."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .data import DataError, LoadReport, Sample, load_samples
+from .layers import CONVENTION, parse_layer_ids
+from .writer import HIDDEN_DIR, MANIFEST, write_dataset, write_manifest
+
+
+class ExtractError(RuntimeError):
+    """A failure the user can act on; the message is one line and names the fix."""
+
+
+@dataclass
+class ExtractConfig:
+    model: str
+    data: Path
+    output: Path
+    layers: str | None = None
+    tp: int = 1
+    dtype: str = "auto"
+    seq_length: int = 2048
+    max_samples: int | None = None
+    batch_size: int = 256
+    trust_remote_code: bool = False
+    overwrite: bool = False
+    decoder_path: str | None = None
+    engine_args: dict = field(default_factory=dict)
+
+
+@dataclass
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    dtype: str
+
+
+def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
+    from transformers import AutoConfig
+
+    if not (Path(model) / "config.json").is_file() and Path(model).exists():
+        raise ExtractError(f"--model {model}: folder has no config.json; point --model at a Hugging Face checkpoint folder")
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExtractError(f"--model {model}: cannot read its config ({first}); pass a local checkpoint folder") from None
+    text = config.get_text_config()
+    heads = getattr(text, "num_attention_heads", 1)
+    dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None) or "bfloat16"
+    return ModelShape(
+        num_layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size,
+        num_heads=heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+
+
+def check_tp(tp: int, shape: ModelShape) -> None:
+    if tp < 1:
+        raise ExtractError("--tp must be at least 1")
+    ok = shape.num_heads % tp == 0 and (shape.num_kv_heads % tp == 0 or tp % shape.num_kv_heads == 0)
+    if not ok:
+        choices = [d for d in range(1, shape.num_heads + 1) if shape.num_heads % d == 0
+                   and (shape.num_kv_heads % d == 0 or d % shape.num_kv_heads == 0)]
+        raise ExtractError(
+            f"--tp {tp} does not divide the model's {shape.num_heads} attention / {shape.num_kv_heads} KV heads; "
+            f"use one of {', '.join(map(str, choices))}"
+        )
+
+
+def prepare_output(output: Path, overwrite: bool) -> None:
+    if output.exists() and not output.is_dir():
+        raise ExtractError(f"--output {output} is a file; name a folder")
+    if output.is_dir() and any(output.iterdir()):
+        ours = (output / MANIFEST).exists() or (output / HIDDEN_DIR).exists()
+        if not ours:
+            raise ExtractError(f"--output {output} holds files that are not an eagle-extract output; choose an empty folder")
+        if not overwrite:
+            raise ExtractError(f"--output {output} already holds an extraction; pass --overwrite to replace it")
+        shutil.rmtree(output)
+    output.mkdir(parents=True, exist_ok=True)
+
+
+def dtype_bytes(dtype: str) -> int:
+    return 4 if dtype in ("float32", "float") else 2
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _versions() -> dict:
+    import torch
+    import transformers
+    import vllm
+
+    return {"eagle_extract": __version__, "vllm": vllm.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+def _batches(samples: list[Sample], size: int):
+    for start in range(0, len(samples), size):
+        yield start, samples[start : start + size]
+
+
+def _drain(llm, wait: bool) -> dict:
+    reports = [r for r in llm.collective_rpc("eagle_drain", args=(wait,)) if r is not None]
+    errors = [e for r in reports for e in r["errors"]]
+    if errors:
+        raise ExtractError(errors[0])
+    return {
+        "written": [i for r in reports for i in r["written"]],
+        "bytes": sum(r["bytes"] for r in reports),
+        "pending": sorted({i for r in reports for i in r["pending"]}),
+        "stats": reports[0]["stats"] if reports else {},
+    }
+
+
+def run(cfg: ExtractConfig, log=print) -> dict:
+    """Run a whole extraction; returns the manifest that was written."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    shape = read_model_shape(cfg.model, cfg.trust_remote_code)
+    aux_ids = parse_layer_ids(cfg.layers, shape.num_layers)
+    check_tp(cfg.tp, shape)
+    if cfg.seq_length < 2:
+        raise ExtractError("--seq-length must be at least 2")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    samples, report = load_samples(cfg.data, tokenizer, cfg.seq_length, cfg.max_samples)
+    output = Path(cfg.output)
+    prepare_output(output, cfg.overwrite)
+
+    dtype = shape.dtype if cfg.dtype == "auto" else cfg.dtype
+    num_slots = len(aux_ids) + 1
+    tokens = sum(len(s.input_ids) for s in samples)
+    expected_bytes = tokens * num_slots * shape.hidden_size * dtype_bytes(dtype)
+    free = shutil.disk_usage(output).free
+    log(f"{len(samples)} samples, {tokens} tokens; slots for layers {aux_ids + [shape.num_layers]}; "
+        f"about {expected_bytes / 2**20:.1f} MiB of hidden states ({free / 2**30:.1f} GiB free)")
+    if expected_bytes > free:
+        raise ExtractError(f"not enough disk space for {expected_bytes / 2**30:.2f} GiB at {output}; free space or lower --max-samples")
+
+    from vllm import SamplingParams, TokensPrompt
+
+    from .engine import start_engine
+
+    t0 = time.perf_counter()
+    llm = start_engine(cfg.model, tp=cfg.tp, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+                       max_model_len=max(len(s.input_ids) for s in samples) + 1, extra=cfg.engine_args)
+    start_s = time.perf_counter() - t0
+    installed = llm.collective_rpc("eagle_install", args=(str(output), aux_ids, cfg.decoder_path))
+    writers = [w for w in installed if w["writes"]]
+    if len(writers) != 1 or writers[0]["num_layers"] != shape.num_layers:
+        raise ExtractError(f"expected one writing rank hooking {shape.num_layers} layers, got {installed}")
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    written, nbytes, stats = set(), 0, {}
+    t1 = time.perf_counter()
+    with tqdm(total=len(samples), unit="sample", desc="extract", dynamic_ncols=True) as bar:
+        done_tokens = 0
+        for start, batch in _batches(samples, cfg.batch_size):
+            llm.collective_rpc("eagle_expect", args=([(start + k, s.input_ids) for k, s in enumerate(batch)],))
+            llm.generate([TokensPrompt(prompt_token_ids=s.input_ids) for s in batch], params, use_tqdm=False)
+            got = _drain(llm, wait=False)
+            written.update(got["written"])
+            nbytes += got["bytes"]
+            done_tokens += sum(len(s.input_ids) for s in batch)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t1):,.0f}")
+        got = _drain(llm, wait=True)
+    written.update(got["written"])
+    nbytes += got["bytes"]
+    stats = got["stats"]
+    extract_s = time.perf_counter() - t1
+    llm.collective_rpc("eagle_remove")
+    missing = sorted(set(range(len(samples))) - written)
+    if missing:
+        raise ExtractError(f"{len(missing)} rows were never captured (first: row {missing[0]}); rerun, and report this as a bug")
+
+    write_dataset(output, [s.input_ids for s in samples], [s.loss_mask for s in samples])
+    manifest = {
+        "format": "speculators-offline",
+        "model": str(cfg.model),
+        "aux_layer_ids": aux_ids,
+        "final_layer_id": shape.num_layers,
+        "slot_layer_ids": aux_ids + [shape.num_layers],
+        "layer_convention": CONVENTION,
+        "dtype": dtype,
+        "hidden_size": shape.hidden_size,
+        "num_samples": len(samples),
+        "num_tokens": tokens,
+        "num_loss_tokens": sum(sum(s.loss_mask) for s in samples),
+        "seq_length": cfg.seq_length,
+        "truncated": report.truncated,
+        "skipped": len(report.skipped),
+        "source_rows": [s.row for s in samples],
+        "data": {"path": str(cfg.data), "sha256": _sha256(Path(cfg.data))},
+        "tensor_parallel_size": cfg.tp,
+        "engine_args": cfg.engine_args,
+        "capture": stats,
+        "timing": {"engine_start_s": round(start_s, 2), "extract_s": round(extract_s, 2),
+                   "tokens_per_s": round(tokens / extract_s, 1)},
+        "bytes_written": nbytes,
+        "versions": _versions(),
+    }
+    _write_skip_report(output, report)
+    write_manifest(output, manifest)
+    return manifest
+
+
+def _write_skip_report(output: Path, report: LoadReport) -> None:
+    if report.skipped:
+        with open(output / "skipped_rows.jsonl", "w") as f:
+            for row, why in report.skipped:
+                f.write(json.dumps({"row": row, "reason": why}) + "\n")

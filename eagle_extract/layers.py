@@ -1,0 +1,43 @@
+"""Layer ids in vLLM's EAGLE-3 convention (FACTS §2), checked before any engine starts.
+
+Id L is the residual stream entering decoder layer L (transformers' output_hidden_states[L]);
+id n = num_hidden_layers is the last layer's output before the final norm and is always
+written as the final slot.
+"""
+
+from __future__ import annotations
+
+CONVENTION = (
+    "vllm-eagle3: slot for id L is the residual stream entering decoder layer L "
+    "(= transformers output_hidden_states[L]); the last slot, id num_hidden_layers, is the "
+    "last decoder layer's output before the final norm"
+)
+
+
+class LayerError(ValueError):
+    pass
+
+
+def default_aux_ids(num_layers: int) -> list[int]:
+    return sorted({2, num_layers // 2, num_layers - 3})
+
+
+def parse_layer_ids(text: str | None, num_layers: int) -> list[int]:
+    """'2,30,58' → [2, 30, 58]; None → the EAGLE-3 default (2, n//2, n-3)."""
+    if text is None or not text.strip():
+        return default_aux_ids(num_layers)
+    ids = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            ids.append(int(part))
+        except ValueError:
+            raise LayerError(f"--layers: '{part}' is not an integer; give comma-separated ids like 2,15,27") from None
+    valid = f"valid auxiliary ids are 0..{num_layers - 1} (the final slot, {num_layers}, is always written)"
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise LayerError(f"--layers: id {bad[0]} is out of range for a {num_layers}-layer model; {valid}")
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise LayerError(f"--layers: id {dupes[0]} is given twice; list each layer once")
+    return sorted(ids)

