@@ -1,0 +1,105 @@
+"""Shared fixtures: the real SmolLM2, a tiny random Llama, and one extraction run per engine setup.
+
+Every vLLM start costs about 25 s here, so each (model, dtype, TP) setup is extracted
+once per session through the real CLI and its output is shared by the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE_DATA = REPO / "eagle_extract" / "sample_data"
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    from eagle_extract.smollm2 import ensure_smollm2
+
+    return ensure_smollm2()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, smollm2) -> Path:
+    """A random 6-layer Llama (2 heads, 2 KV heads, so TP=2 works) with SmolLM2's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+    )
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger-than-default weights so every layer visibly changes the stream
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path)
+    for f in smollm2.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def mixed_conversations(tmp_path_factory) -> Path:
+    """Short real conversations plus long multi-turn ones, so a small token budget splits prompts over steps."""
+    rows = json.loads((SAMPLE_DATA / "sharegpt_dummy_conversations.json").read_text())[:20]
+    questions = [json.loads(line)["turns"][0] for line in (SAMPLE_DATA / "vicuna_bench_questions.jsonl").open()]
+    for k in range(4):
+        turns = []
+        for q in questions[k * 6 : k * 6 + 6]:
+            turns += [{"role": "user", "content": q}, {"role": "assistant", "content": " ".join(questions[:k + 3])}]
+        rows.append({"messages": turns})
+    path = tmp_path_factory.mktemp("data") / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "eagle_extract", *args], capture_output=True, text=True, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"eagle-extract failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def extract(tmp_path_factory, model: Path, data: Path, *args: str) -> Path:
+    out = tmp_path_factory.mktemp("out") / "extraction"
+    run_cli("--model", str(model), "--data", str(data), "--output", str(out), *args)
+    return out
+
+
+# Token budget of 128 per step: the long conversations (~400-700 tokens) span several steps.
+BUDGET = ("--max-num-batched-tokens", "128", "--batch-size", "16")
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32_out(tmp_path_factory, smollm2, mixed_conversations) -> Path:
+    return extract(tmp_path_factory, smollm2, mixed_conversations, "--dtype", "float32",
+                   "--layers", "0,2,15,27,29", *BUDGET)
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16_out(tmp_path_factory, smollm2, mixed_conversations) -> Path:
+    return extract(tmp_path_factory, smollm2, mixed_conversations, "--dtype", "bfloat16", *BUDGET)
+
+
+@pytest.fixture(scope="session")
+def tiny_tp1_out(tmp_path_factory, tiny_llama, mixed_conversations) -> Path:
+    return extract(tmp_path_factory, tiny_llama, mixed_conversations, "--dtype", "float32", *BUDGET)
+
+
+@pytest.fixture(scope="session")
+def tiny_tp2_out(tmp_path_factory, tiny_llama, mixed_conversations) -> Path:
+    return extract(tmp_path_factory, tiny_llama, mixed_conversations, "--dtype", "float32", "--tp", "2", *BUDGET)
