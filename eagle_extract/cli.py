@@ -34,38 +34,95 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--model", default=BUNDLED_MODEL, show_default=True,
-              help="Checkpoint folder (config.json, weights, tokenizer). 'smollm2' builds and uses the bundled "
-                   "SmolLM2-135M-Instruct.")
-@click.option("--data", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="JSON or JSONL conversations: OpenAI 'messages' or ShareGPT 'conversations' rows. "
-                   "[default: the bundled 500 ShareGPT sample conversations]")
-@click.option("--output", type=click.Path(file_okay=False, path_type=Path), default=Path("eagle-extract-output"),
-              show_default=True, help="Output folder, laid out for `speculators train --data-path`.")
-@click.option("--layers", default=None,
-              help="Comma-separated auxiliary layer ids, vLLM EAGLE-3 convention (id L = residual stream "
-                   "entering layer L). The final slot (id = number of layers) is always added. "
-                   "[default: 2, n//2, n-3]")
+@click.option(
+    "--model",
+    default=BUNDLED_MODEL,
+    show_default=True,
+    help="Checkpoint folder (config.json, weights, tokenizer). 'smollm2' builds and uses the bundled "
+    "SmolLM2-135M-Instruct.",
+)
+@click.option(
+    "--data",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="JSON or JSONL conversations: OpenAI 'messages' or ShareGPT 'conversations' rows. "
+    "[default: the bundled 500 ShareGPT sample conversations]",
+)
+@click.option(
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("eagle-extract-output"),
+    show_default=True,
+    help="Output folder, laid out for `speculators train --data-path`.",
+)
+@click.option(
+    "--layers",
+    default=None,
+    help="Comma-separated auxiliary layer ids, vLLM EAGLE-3 convention (id L = residual stream "
+    "entering layer L). The final slot (id = number of layers) is always added. "
+    "[default: 2, n//2, n-3]",
+)
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size (GPUs per engine).")
 @click.option("--max-samples", type=int, default=None, help="Use at most this many rows. [default: all]")
-@click.option("--seq-length", type=int, default=2048, show_default=True,
-              help="Longer samples are truncated to this many tokens; the count is reported.")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
-              show_default=True, help="Model dtype, and the dtype of the stored hidden states.")
-@click.option("--batch-size", type=int, default=256, show_default=True,
-              help="Samples handed to vLLM per generate call (progress is reported per call).")
-@click.option("--max-num-batched-tokens", type=int, default=None,
-              help="Token budget of one engine step; smaller values lower peak memory. [default: vLLM's]")
-@click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
-              help="Further vllm.LLM keyword argument, VALUE parsed as JSON when it can be; repeatable "
-                   "(e.g. --engine-arg gpu_memory_utilization=0.85).")
-@click.option("--decoder-path", default=None,
-              help="Dotted path of the module that owns the decoder `layers`, when the search cannot tell "
-                   "(e.g. language_model.model).")
+@click.option(
+    "--seq-length",
+    type=int,
+    default=2048,
+    show_default=True,
+    help="Longer samples are truncated to this many tokens; the count is reported.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+    default="auto",
+    show_default=True,
+    help="Model dtype, and the dtype of the stored hidden states.",
+)
+@click.option(
+    "--batch-size",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Samples handed to vLLM per generate call (progress is reported per call).",
+)
+@click.option(
+    "--max-num-batched-tokens",
+    type=int,
+    default=None,
+    help="Token budget of one engine step; smaller values lower peak memory. [default: vLLM's]",
+)
+@click.option(
+    "--engine-arg",
+    "engine_args",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Further vllm.LLM keyword argument, VALUE parsed as JSON when it can be; repeatable "
+    "(e.g. --engine-arg gpu_memory_utilization=0.85).",
+)
+@click.option(
+    "--decoder-path",
+    default=None,
+    help="Dotted path of the module that owns the decoder `layers`, when the search cannot tell "
+    "(e.g. language_model.model).",
+)
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (config, tokenizer).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing extraction in --output.")
-def main(model, data, output, layers, tp, max_samples, seq_length, dtype, batch_size, max_num_batched_tokens,
-         engine_args, decoder_path, trust_remote_code, overwrite):
+def main(
+    model,
+    data,
+    output,
+    layers,
+    tp,
+    max_samples,
+    seq_length,
+    dtype,
+    batch_size,
+    max_num_batched_tokens,
+    engine_args,
+    decoder_path,
+    trust_remote_code,
+    overwrite,
+):
     """Capture EAGLE-3 training hidden states from a model running in vLLM.
 
     Writes speculators' offline layout: an Arrow dataset (input_ids, loss_mask, seq_len),
@@ -80,9 +137,19 @@ def main(model, data, output, layers, tp, max_samples, seq_length, dtype, batch_
 
         model = str(ensure_smollm2())
     cfg = ExtractConfig(
-        model=model, data=data or _bundled_data(), output=output, layers=layers, tp=tp,
-        dtype=dtype, seq_length=seq_length, max_samples=max_samples, batch_size=batch_size,
-        trust_remote_code=trust_remote_code, overwrite=overwrite, decoder_path=decoder_path, engine_args=extra,
+        model=model,
+        data=data or _bundled_data(),
+        output=output,
+        layers=layers,
+        tp=tp,
+        dtype=dtype,
+        seq_length=seq_length,
+        max_samples=max_samples,
+        batch_size=batch_size,
+        trust_remote_code=trust_remote_code,
+        overwrite=overwrite,
+        decoder_path=decoder_path,
+        engine_args=extra,
     )
     try:
         manifest = run(cfg, log=click.echo)
@@ -97,5 +164,6 @@ def main(model, data, output, layers, tp, max_samples, seq_length, dtype, batch_
     )
     click.echo(f"output: {Path(output).resolve()}")
     ids = ",".join(map(str, manifest["aux_layer_ids"]))
-    click.echo(f"train on it: speculators train --verifier-name-or-path {model} --data-path {output} "
-               f"--target-layer-ids {ids}")
+    click.echo(
+        f"train on it: speculators train --verifier-name-or-path {model} --data-path {output} --target-layer-ids {ids}"
+    )

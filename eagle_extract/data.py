@@ -13,8 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+}
 ROLES = {"system", "user", "assistant", "tool"}
 
 
@@ -121,7 +129,7 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
                 f"chat template does not render turn {k} as a prefix of the conversation; "
                 "this template rewrites earlier turns"
             )
-        end = len(before) + len(after[len(before):].rstrip())  # template glue after end-of-turn stays 0
+        end = len(before) + len(after[len(before) :].rstrip())  # template glue after end-of-turn stays 0
         spans.append((len(before), end))
     return full, spans
 
@@ -136,7 +144,9 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], l
     return list(enc["input_ids"]), mask
 
 
-def load_samples(path: Path, tokenizer, seq_length: int, max_samples: int | None = None) -> tuple[list[Sample], LoadReport]:
+def load_samples(
+    path: Path, tokenizer, seq_length: int, max_samples: int | None = None
+) -> tuple[list[Sample], LoadReport]:
     """Tokenize every usable row; bad rows are skipped and listed in the report."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("the model's tokenizer has no chat template; use a chat model or add a template")

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
-from .data import DataError, LoadReport, Sample, load_samples
+from .data import LoadReport, load_samples
 from .layers import CONVENTION, parse_layer_ids
-from .writer import HIDDEN_DIR, MANIFEST, write_dataset, write_manifest
+from .writer import (
+    HIDDEN_DIR,
+    MANIFEST,
+    completed_rows,
+    hidden_state_path,
+    write_dataset,
+    write_manifest,
+)
 
 
 class ExtractError(RuntimeError):
@@ -49,12 +57,16 @@ def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
     from transformers import AutoConfig
 
     if not (Path(model) / "config.json").is_file() and Path(model).exists():
-        raise ExtractError(f"--model {model}: folder has no config.json; point --model at a Hugging Face checkpoint folder")
+        raise ExtractError(
+            f"--model {model}: folder has no config.json; point --model at a Hugging Face checkpoint folder"
+        )
     try:
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ExtractError(f"--model {model}: cannot read its config ({first}); pass a local checkpoint folder") from None
+        raise ExtractError(
+            f"--model {model}: cannot read its config ({first}); pass a local checkpoint folder"
+        ) from None
     text = config.get_text_config()
     heads = getattr(text, "num_attention_heads", 1)
     dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None) or "bfloat16"
@@ -72,25 +84,51 @@ def check_tp(tp: int, shape: ModelShape) -> None:
         raise ExtractError("--tp must be at least 1")
     ok = shape.num_heads % tp == 0 and (shape.num_kv_heads % tp == 0 or tp % shape.num_kv_heads == 0)
     if not ok:
-        choices = [d for d in range(1, shape.num_heads + 1) if shape.num_heads % d == 0
-                   and (shape.num_kv_heads % d == 0 or d % shape.num_kv_heads == 0)]
+        choices = [
+            d
+            for d in range(1, shape.num_heads + 1)
+            if shape.num_heads % d == 0 and (shape.num_kv_heads % d == 0 or d % shape.num_kv_heads == 0)
+        ]
         raise ExtractError(
             f"--tp {tp} does not divide the model's {shape.num_heads} attention / {shape.num_kv_heads} KV heads; "
             f"use one of {', '.join(map(str, choices))}"
         )
 
 
-def prepare_output(output: Path, overwrite: bool) -> None:
+RUN_FILE = ".eagle_extract_run.json"  # identity of an unfinished run, for resuming
+
+
+def prepare_output(output: Path, identity: dict, overwrite: bool) -> set[int]:
+    """Make `output` ready; returns the rows an interrupted identical run already wrote."""
     if output.exists() and not output.is_dir():
         raise ExtractError(f"--output {output} is a file; name a folder")
     if output.is_dir() and any(output.iterdir()):
-        ours = (output / MANIFEST).exists() or (output / HIDDEN_DIR).exists()
-        if not ours:
-            raise ExtractError(f"--output {output} holds files that are not an eagle-extract output; choose an empty folder")
-        if not overwrite:
-            raise ExtractError(f"--output {output} already holds an extraction; pass --overwrite to replace it")
-        shutil.rmtree(output)
+        run_file = output / RUN_FILE
+        if not (output / MANIFEST).exists() and not run_file.exists():
+            raise ExtractError(
+                f"--output {output} holds files that are not an eagle-extract output; choose an empty folder"
+            )
+        if overwrite:
+            shutil.rmtree(output)
+        elif (output / MANIFEST).exists():
+            raise ExtractError(f"--output {output} already holds a complete extraction; pass --overwrite to replace it")
+        else:
+            previous = json.loads(run_file.read_text())
+            changed = [k for k in identity if previous.get(k) != identity[k]]
+            if changed:
+                k = changed[0]
+                raise ExtractError(
+                    f"--output {output} holds an unfinished run with a different {k} "
+                    f"({previous.get(k)!r}, now {identity[k]!r}); pass --overwrite to start over"
+                )
+            for stale in (output / HIDDEN_DIR).glob(".*.tmp"):
+                stale.unlink()
+            return completed_rows(output)
     output.mkdir(parents=True, exist_ok=True)
+    tmp = output / f"{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(identity, indent=2))
+    os.replace(tmp, output / RUN_FILE)
+    return set()
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -110,13 +148,17 @@ def _versions() -> dict:
     import transformers
     import vllm
 
-    return {"eagle_extract": __version__, "vllm": vllm.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__}
+    return {
+        "eagle_extract": __version__,
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
-def _batches(samples: list[Sample], size: int):
-    for start in range(0, len(samples), size):
-        yield start, samples[start : start + size]
+def _batches(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
 
 
 def _drain(llm, wait: bool) -> dict:
@@ -126,7 +168,6 @@ def _drain(llm, wait: bool) -> dict:
         raise ExtractError(errors[0])
     return {
         "written": [i for r in reports for i in r["written"]],
-        "bytes": sum(r["bytes"] for r in reports),
         "pending": sorted({i for r in reports for i in r["pending"]}),
         "stats": reports[0]["stats"] if reports else {},
     }
@@ -145,25 +186,47 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     samples, report = load_samples(cfg.data, tokenizer, cfg.seq_length, cfg.max_samples)
     output = Path(cfg.output)
-    prepare_output(output, cfg.overwrite)
-
     dtype = shape.dtype if cfg.dtype == "auto" else cfg.dtype
+    data_sha = _sha256(Path(cfg.data))
+    identity = {
+        "model": str(Path(cfg.model).resolve()),
+        "data_sha256": data_sha,
+        "aux_layer_ids": aux_ids,
+        "dtype": dtype,
+        "seq_length": cfg.seq_length,
+        "max_samples": cfg.max_samples,
+    }
+    done = prepare_output(output, identity, cfg.overwrite)
+    todo = [(i, s) for i, s in enumerate(samples) if i not in done]
+
     num_slots = len(aux_ids) + 1
     tokens = sum(len(s.input_ids) for s in samples)
-    expected_bytes = tokens * num_slots * shape.hidden_size * dtype_bytes(dtype)
+    todo_tokens = sum(len(s.input_ids) for _, s in todo)
+    expected_bytes = todo_tokens * num_slots * shape.hidden_size * dtype_bytes(dtype)
     free = shutil.disk_usage(output).free
-    log(f"{len(samples)} samples, {tokens} tokens; slots for layers {aux_ids + [shape.num_layers]}; "
-        f"about {expected_bytes / 2**20:.1f} MiB of hidden states ({free / 2**30:.1f} GiB free)")
+    resumed = f"; resuming, {len(done)} rows already written" if done else ""
+    log(
+        f"{len(samples)} samples, {tokens} tokens; slots for layers {aux_ids + [shape.num_layers]}; "
+        f"about {expected_bytes / 2**20:.1f} MiB of hidden states to write ({free / 2**30:.1f} GiB free){resumed}"
+    )
     if expected_bytes > free:
-        raise ExtractError(f"not enough disk space for {expected_bytes / 2**30:.2f} GiB at {output}; free space or lower --max-samples")
+        raise ExtractError(
+            f"not enough disk space for {expected_bytes / 2**30:.2f} GiB at {output}; free space or lower --max-samples"
+        )
 
     from vllm import SamplingParams, TokensPrompt
 
     from .engine import start_engine
 
     t0 = time.perf_counter()
-    llm = start_engine(cfg.model, tp=cfg.tp, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
-                       max_model_len=max(len(s.input_ids) for s in samples) + 1, extra=cfg.engine_args)
+    llm = start_engine(
+        cfg.model,
+        tp=cfg.tp,
+        dtype=cfg.dtype,
+        trust_remote_code=cfg.trust_remote_code,
+        max_model_len=max(len(s.input_ids) for s in samples) + 1,
+        extra=cfg.engine_args,
+    )
     start_s = time.perf_counter() - t0
     installed = llm.collective_rpc("eagle_install", args=(str(output), aux_ids, cfg.decoder_path))
     writers = [w for w in installed if w["writes"]]
@@ -171,28 +234,26 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         raise ExtractError(f"expected one writing rank hooking {shape.num_layers} layers, got {installed}")
 
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    written, nbytes, stats = set(), 0, {}
+    written = set(done)
     t1 = time.perf_counter()
-    with tqdm(total=len(samples), unit="sample", desc="extract", dynamic_ncols=True) as bar:
+    with tqdm(total=len(samples), initial=len(done), unit="sample", desc="extract", dynamic_ncols=True) as bar:
         done_tokens = 0
-        for start, batch in _batches(samples, cfg.batch_size):
-            llm.collective_rpc("eagle_expect", args=([(start + k, s.input_ids) for k, s in enumerate(batch)],))
-            llm.generate([TokensPrompt(prompt_token_ids=s.input_ids) for s in batch], params, use_tqdm=False)
-            got = _drain(llm, wait=False)
-            written.update(got["written"])
-            nbytes += got["bytes"]
-            done_tokens += sum(len(s.input_ids) for s in batch)
+        for batch in _batches(todo, cfg.batch_size):
+            llm.collective_rpc("eagle_expect", args=([(i, s.input_ids) for i, s in batch],))
+            llm.generate([TokensPrompt(prompt_token_ids=s.input_ids) for _, s in batch], params, use_tqdm=False)
+            written.update(_drain(llm, wait=False)["written"])
+            done_tokens += sum(len(s.input_ids) for _, s in batch)
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t1):,.0f}")
         got = _drain(llm, wait=True)
     written.update(got["written"])
-    nbytes += got["bytes"]
-    stats = got["stats"]
     extract_s = time.perf_counter() - t1
     llm.collective_rpc("eagle_remove")
     missing = sorted(set(range(len(samples))) - written)
     if missing:
-        raise ExtractError(f"{len(missing)} rows were never captured (first: row {missing[0]}); rerun, and report this as a bug")
+        raise ExtractError(
+            f"{len(missing)} rows were never captured (first: row {missing[0]}); rerun, and report this as a bug"
+        )
 
     write_dataset(output, [s.input_ids for s in samples], [s.loss_mask for s in samples])
     manifest = {
@@ -211,17 +272,22 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         "truncated": report.truncated,
         "skipped": len(report.skipped),
         "source_rows": [s.row for s in samples],
-        "data": {"path": str(cfg.data), "sha256": _sha256(Path(cfg.data))},
+        "data": {"path": str(cfg.data), "sha256": data_sha},
         "tensor_parallel_size": cfg.tp,
         "engine_args": cfg.engine_args,
-        "capture": stats,
-        "timing": {"engine_start_s": round(start_s, 2), "extract_s": round(extract_s, 2),
-                   "tokens_per_s": round(tokens / extract_s, 1)},
-        "bytes_written": nbytes,
+        "resumed_rows": len(done),
+        "capture": got["stats"],
+        "timing": {
+            "engine_start_s": round(start_s, 2),
+            "extract_s": round(extract_s, 2),
+            "tokens_per_s": round(todo_tokens / extract_s, 1),
+        },
+        "bytes_written": sum(hidden_state_path(output, i).stat().st_size for i in range(len(samples))),
         "versions": _versions(),
     }
     _write_skip_report(output, report)
     write_manifest(output, manifest)
+    (output / RUN_FILE).unlink()
     return manifest
 
 

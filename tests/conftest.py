@@ -34,9 +34,19 @@ def tiny_llama(tmp_path_factory, smollm2) -> Path:
 
     path = tmp_path_factory.mktemp("tiny-llama")
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
     )
     torch.manual_seed(1234)
     model = LlamaForCausalLM(config)
@@ -59,7 +69,7 @@ def mixed_conversations(tmp_path_factory) -> Path:
     for k in range(4):
         turns = []
         for q in questions[k * 6 : k * 6 + 6]:
-            turns += [{"role": "user", "content": q}, {"role": "assistant", "content": " ".join(questions[:k + 3])}]
+            turns += [{"role": "user", "content": q}, {"role": "assistant", "content": " ".join(questions[: k + 3])}]
         rows.append({"messages": turns})
     path = tmp_path_factory.mktemp("data") / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -86,8 +96,9 @@ BUDGET = ("--max-num-batched-tokens", "128", "--batch-size", "16")
 
 @pytest.fixture(scope="session")
 def smollm2_fp32_out(tmp_path_factory, smollm2, mixed_conversations) -> Path:
-    return extract(tmp_path_factory, smollm2, mixed_conversations, "--dtype", "float32",
-                   "--layers", "0,2,15,27,29", *BUDGET)
+    return extract(
+        tmp_path_factory, smollm2, mixed_conversations, "--dtype", "float32", "--layers", "0,2,15,27,29", *BUDGET
+    )
 
 
 @pytest.fixture(scope="session")

@@ -90,11 +90,16 @@ def test_output_is_speculators_layout(fixture, request):
         hs = load_row(out, i)
         assert torch.equal(hs["token_ids"], row["input_ids"])  # the trainer's own check
         assert hs["token_ids"].dtype == torch.int64
-        assert hs["hidden_states"].shape == (int(row["seq_len"]), len(manifest["slot_layer_ids"]), manifest["hidden_size"])
+        assert hs["hidden_states"].shape == (
+            int(row["seq_len"]),
+            len(manifest["slot_layer_ids"]),
+            manifest["hidden_size"],
+        )
         for t, m in zip(row["input_ids"].tolist(), row["loss_mask"].tolist()):
             if m:
                 counted[t] = counted.get(t, 0) + 1
     assert freq == counted
     assert not [p for p in out.rglob(".*")], "temporary files left behind"
     assert sorted(p.name for p in (out / "hidden_states").iterdir()) == sorted(
-        f"hs_{i}.safetensors" for i in range(len(rows)))
+        f"hs_{i}.safetensors" for i in range(len(rows))
+    )

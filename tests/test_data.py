@@ -1,0 +1,141 @@
+"""Rows to (input_ids, loss_mask) with the real SmolLM2 tokenizer and chat template (ChatML)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from eagle_extract.data import (
+    BadRow,
+    DataError,
+    load_samples,
+    to_messages,
+    tokenize_conversation,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    return AutoTokenizer.from_pretrained(smollm2)
+
+
+def test_loss_mask_hand_computed(tokenizer):
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello there!"},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "See you."},
+    ]
+    ids, mask = tokenize_conversation(tokenizer, messages)
+    pieces = [(tokenizer.decode([t]), m) for t, m in zip(ids, mask)]
+    # Written out by hand from SmolLM2's ChatML template: the default system turn, then the
+    # conversation; 1 exactly on what the assistant wrote and its <|im_end|>.
+    tail = [
+        ("<|im_start|>", 0),
+        ("user", 0),
+        ("\n", 0),
+        ("Hi", 0),
+        ("<|im_end|>", 0),
+        ("\n", 0),
+        ("<|im_start|>", 0),
+        ("ass", 0),
+        ("istant", 0),
+        ("\n", 0),
+        ("Hello", 1),
+        (" there", 1),
+        ("!", 1),
+        ("<|im_end|>", 1),
+        ("\n", 0),
+        ("<|im_start|>", 0),
+        ("user", 0),
+        ("\n", 0),
+        ("By", 0),
+        ("e", 0),
+        ("<|im_end|>", 0),
+        ("\n", 0),
+        ("<|im_start|>", 0),
+        ("ass", 0),
+        ("istant", 0),
+        ("\n", 0),
+        ("See", 1),
+        (" you", 1),
+        (".", 1),
+        ("<|im_end|>", 1),
+        ("\n", 0),
+    ]
+    assert pieces[-len(tail) :] == tail
+    assert sum(m for _, m in pieces[: -len(tail)]) == 0  # the system prompt is never trained on
+    assert tokenizer.decode(ids).startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+def test_sharegpt_and_messages_agree(tokenizer):
+    share = {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "2+2?"},
+            {"from": "gpt", "value": "4"},
+        ]
+    }
+    openai = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"},
+        ]
+    }
+    assert tokenize_conversation(tokenizer, to_messages(share)) == tokenize_conversation(tokenizer, to_messages(openai))
+
+
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
+        ({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "unknown role"),
+        ({"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": "x"}]}, "empty user message"),
+        ({"conversations": [{"from": "alien", "value": "hi"}]}, "unknown ShareGPT speaker"),
+        ({"text": "hello"}, "neither 'messages' nor 'conversations'"),
+        ([1, 2], "expected an object"),
+    ],
+)
+def test_bad_rows_name_the_problem(row, reason):
+    with pytest.raises(BadRow, match=reason):
+        to_messages(row)
+
+
+def test_bad_rows_are_skipped_and_counted(tmp_path, tokenizer):
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    lines = [
+        json.dumps(good),
+        "{not json",
+        json.dumps({"messages": [{"role": "user", "content": "?"}]}),
+        json.dumps(good),
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    samples, report = load_samples(path, tokenizer, seq_length=512)
+    assert [s.row for s in samples] == [0, 3]
+    assert [(n, why.split(" (")[0]) for n, why in report.skipped] == [
+        (1, "malformed JSON line"),
+        (2, "no assistant turn"),
+    ]
+
+
+def test_truncation_keeps_prefix_and_counts(tmp_path, tokenizer):
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "word " * 200}]}
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps([row]))
+    full_ids, full_mask = tokenize_conversation(tokenizer, to_messages(row))
+    samples, report = load_samples(path, tokenizer, seq_length=64)
+    assert report.truncated == 1 and samples[0].truncated
+    assert samples[0].input_ids == full_ids[:64] and samples[0].loss_mask == full_mask[:64]
+
+
+def test_unusable_file_is_one_clear_error(tmp_path, tokenizer):
+    with pytest.raises(DataError, match="data file not found"):
+        load_samples(tmp_path / "missing.jsonl", tokenizer, 512)
+    bad = tmp_path / "bad.json"
+    bad.write_text("[{")
+    with pytest.raises(DataError, match="not valid JSON"):
+        load_samples(bad, tokenizer, 512)
