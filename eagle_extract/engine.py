@@ -45,6 +45,16 @@ def prepare_environment(tp: int, pp: int) -> None:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(tp * pp))
 
 
+def check_engine_args(extra: dict) -> None:
+    """Refuse engine arguments that would silently disable capture (hooks need eager mode)."""
+    clash = sorted(k for k in extra if k in FIXED_ARGS or k in {"model", "tensor_parallel_size"})
+    if clash:
+        raise ValueError(
+            f"engine argument {clash[0]} is fixed by eagle-extract (hooks need eager mode, no prefix "
+            "caching and the worker extension); remove it"
+        )
+
+
 def start_engine(
     model: str,
     *,
@@ -56,9 +66,7 @@ def start_engine(
     extra: dict | None = None,
 ):
     extra = dict(extra or {})
-    clash = sorted(k for k in extra if k in FIXED_ARGS or k in {"model", "tensor_parallel_size"})
-    if clash:
-        raise ValueError(f"engine argument(s) {', '.join(clash)} are set by eagle-extract; remove them")
+    check_engine_args(extra)
     prepare_environment(tp, pp)
     from vllm import LLM
 

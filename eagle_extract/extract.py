@@ -178,6 +178,12 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
+    from .engine import check_engine_args
+
+    try:
+        check_engine_args(cfg.engine_args)
+    except ValueError as exc:
+        raise ExtractError(str(exc)) from None
     shape = read_model_shape(cfg.model, cfg.trust_remote_code)
     aux_ids = parse_layer_ids(cfg.layers, shape.num_layers)
     check_tp(cfg.tp, shape)

@@ -6,7 +6,6 @@ once per session through the real CLI and its output is shared by the tests.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -16,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-SAMPLE_DATA = REPO / "eagle_extract" / "sample_data"
+from .common import write_mixed_conversations
 
 
 @pytest.fixture(scope="session")
@@ -63,17 +61,7 @@ def tiny_llama(tmp_path_factory, smollm2) -> Path:
 
 @pytest.fixture(scope="session")
 def mixed_conversations(tmp_path_factory) -> Path:
-    """Short real conversations plus long multi-turn ones, so a small token budget splits prompts over steps."""
-    rows = json.loads((SAMPLE_DATA / "sharegpt_dummy_conversations.json").read_text())[:20]
-    questions = [json.loads(line)["turns"][0] for line in (SAMPLE_DATA / "vicuna_bench_questions.jsonl").open()]
-    for k in range(4):
-        turns = []
-        for q in questions[k * 6 : k * 6 + 6]:
-            turns += [{"role": "user", "content": q}, {"role": "assistant", "content": " ".join(questions[: k + 3])}]
-        rows.append({"messages": turns})
-    path = tmp_path_factory.mktemp("data") / "mixed.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_mixed_conversations(tmp_path_factory.mktemp("data") / "mixed.jsonl")
 
 
 def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:

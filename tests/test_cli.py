@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import re
 
-from .conftest import SAMPLE_DATA, run_cli
+from .common import SAMPLE_DATA
+from .conftest import run_cli
 
 DATA = str(SAMPLE_DATA / "sharegpt_dummy_conversations.json")
 OPTIONS = [
@@ -81,3 +82,9 @@ def test_unfinished_run_with_other_settings_is_refused(tmp_path, smollm2):
     (out / ".eagle_extract_run.json").write_text(json.dumps({"model": str(smollm2), "aux_layer_ids": [1, 2]}))
     line = _error_line(run_cli("--model", str(smollm2), "--data", DATA, "--output", str(out), check=False))
     assert "unfinished run with a different" in line and "--overwrite" in line
+
+
+def test_engine_args_that_would_disable_hooks_are_refused(tmp_path, smollm2):
+    line = _error_line(run_cli("--model", str(smollm2), "--data", DATA, "--engine-arg", "enforce_eager=false",
+                               check=False))
+    assert "enforce_eager is fixed by eagle-extract" in line

@@ -10,27 +10,12 @@ from datasets import load_from_disk
 
 from eagle_extract.writer import read_manifest
 
-from .oracle import Reference, load_row, rel_err
+from .common import Reference, compare_with_reference, load_row, rel_err
 
 
 def _compare_with_transformers(out, model_path, tolerance, per_sample=True):
-    """Relative error of every slot against float32 transformers, over all tokens and
-    (with `per_sample`) for every sample alone."""
-    manifest = read_manifest(out)
-    rows = load_from_disk(str(out))
-    ref = Reference(model_path)
-    worst, err2, ref2 = {}, {}, {}
-    for i in range(len(rows)):
-        got = load_row(out, i)
-        ids = rows[i]["input_ids"].tolist()
-        want = ref.slots(ids, manifest["slot_layer_ids"])
-        assert got["hidden_states"].shape == want.shape
-        for k, layer in enumerate(manifest["slot_layer_ids"]):
-            a, b = got["hidden_states"][:, k].double(), want[:, k].double()
-            worst[layer] = max(worst.get(layer, 0.0), rel_err(a, b))
-            err2[layer] = err2.get(layer, 0.0) + float((a - b).square().sum())
-            ref2[layer] = ref2.get(layer, 0.0) + float(b.square().sum())
-    overall = {k: (err2[k] / ref2[k]) ** 0.5 if ref2[k] else 0.0 for k in err2}
+    """Every slot against float32 transformers, over all tokens and (with `per_sample`) per sample."""
+    worst, overall = compare_with_reference(out, Reference(model_path))
     print(f"relative error per slot, worst sample: {json.dumps({k: f'{v:.2e}' for k, v in worst.items()})}")
     print(f"relative error per slot, all tokens:   {json.dumps({k: f'{v:.2e}' for k, v in overall.items()})}")
     assert max(overall.values()) < tolerance, overall

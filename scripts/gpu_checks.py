@@ -1,0 +1,250 @@
+"""GPU correctness checks for eagle-extract (issue: H200 install and GPU correctness).
+
+Runs on a machine with vLLM (GPU build) installed, from the repository root:
+
+    python scripts/gpu_checks.py --work /tmp/gpu-work --out results/
+
+1. SmolLM2-135M-Instruct (real weights) extracted on GPU 0 in float32 and bfloat16, each
+   compared with transformers' float32 `output_hidden_states` on the same GPU (TF32 off);
+2. three repeated bfloat16 runs must give bitwise-identical files (no copy races);
+3. an engine asked for `enforce_eager=False` is refused before it starts;
+4. with two GPUs: a Qwen3-MoE checkpoint with Qwen3-30B-A3B's widths (fewer layers, random
+   weights saved to disk so both runs load the same tensors) at TP=2 against TP=1.
+
+Prints one table and writes it, with every figure, to OUT/gpu_checks.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.common import Reference, compare_with_reference, load_row, rel_err, write_mixed_conversations  # noqa: E402
+
+BUDGET = ["--max-num-batched-tokens", "128", "--batch-size", "16"]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of this script
+RESULTS: list[dict] = []
+
+
+def extract(model: Path, data: Path, out: Path, *args: str, gpus: str = "0") -> tuple[int, str]:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagle_extract",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--output",
+        str(out),
+        "--overwrite",
+        *args,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    return proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+
+
+def check(name: str, fn) -> None:
+    t0 = time.perf_counter()
+    try:
+        ok, detail = fn()
+    except Exception as exc:  # one failing check must not hide the others
+        ok, detail = False, f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    RESULTS.append({"check": name, "ok": bool(ok), "detail": detail, "seconds": round(time.perf_counter() - t0, 1)})
+    print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)
+
+
+def fmt(errs: dict) -> str:
+    return ", ".join(f"{k}:{v:.1e}" for k, v in errs.items())
+
+
+def files_identical(a: Path, b: Path) -> bool:
+    n = json.loads((a / "eagle_extract.json").read_text())["num_samples"]
+    return all(torch.equal(load_row(a, i)["hidden_states"], load_row(b, i)["hidden_states"]) for i in range(n))
+
+
+def smollm2_checks(work: Path, data: Path) -> None:
+    from eagle_extract.smollm2 import ensure_smollm2
+
+    model = ensure_smollm2(work / "cache")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    outs = {}
+
+    def run(tag, *args):
+        rc, log = extract(model, data, work / tag, *args, *BUDGET)
+        if rc != 0:
+            raise RuntimeError(log)
+        outs[tag] = work / tag
+        return work / tag
+
+    ref = Reference(model, device=DEVICE)
+
+    def fp32(tag, *args):
+        def fn():
+            worst, overall = compare_with_reference(
+                run(tag, "--dtype", "float32", "--layers", "0,2,15,27,29", *args), ref
+            )
+            return max(worst.values()) < 1e-4, f"worst sample {fmt(worst)}; all tokens max {max(overall.values()):.1e}"
+
+        return fn
+
+    check("smollm2 fp32 vs transformers fp32 (default attention backend), < 1e-4", fp32("fp32"))
+    if DEVICE == "cuda":
+        check(
+            "smollm2 fp32 vs transformers fp32 (FLEX_ATTENTION backend), < 1e-4",
+            fp32("fp32-flex", "--engine-arg", "attention_backend=FLEX_ATTENTION"),
+        )
+
+    def bf16():
+        worst, overall = compare_with_reference(run("bf16-1", "--dtype", "bfloat16"), ref)
+        return max(overall.values()) < 2e-2, f"all tokens {fmt(overall)}; worst sample {max(worst.values()):.1e}"
+
+    check("smollm2 bf16 vs transformers fp32, all tokens < 2e-2", bf16)
+
+    def repeats():
+        for k in (2, 3):
+            run(f"bf16-{k}", "--dtype", "bfloat16")
+        same = [files_identical(outs["bf16-1"], outs[f"bf16-{k}"]) for k in (2, 3)]
+        return all(same), f"runs 2 and 3 bitwise equal to run 1: {same}"
+
+    check("three bf16 runs give identical files", repeats)
+
+    def eager_refused():
+        rc, log = extract(model, data, work / "noeager", "--engine-arg", "enforce_eager=false")
+        last = log.strip().splitlines()[-1] if log.strip() else ""
+        return rc != 0 and "enforce_eager" in last, last
+
+    check("engine without enforce_eager is refused", eager_refused)
+
+
+QWEN3_30B_A3B = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    vocab_size=151936,
+)
+# For a CPU dry run of this script.
+SMALL_MOE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=49152,
+)
+
+
+def build_moe(path: Path, layers: int, smollm2_tokenizer: Path, widths: dict) -> Path:
+    """A Qwen3-MoE checkpoint with the given widths and `layers` layers, random bf16 weights."""
+    import shutil
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    cfg = Qwen3MoeConfig(
+        **widths,
+        num_hidden_layers=layers,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    for f in smollm2_tokenizer.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def moe_checks(work: Path, data: Path) -> None:
+    from eagle_extract.smollm2 import ensure_smollm2
+
+    widths = QWEN3_30B_A3B if DEVICE == "cuda" else SMALL_MOE
+    model = build_moe(work / "qwen3-moe-4l", 4, ensure_smollm2(work / "cache"), widths)
+    outs = {}
+
+    def run(tp):
+        out = work / f"moe-tp{tp}"
+        rc, log = extract(
+            model, data, out, "--tp", str(tp), "--dtype", "bfloat16", *BUDGET, gpus="0,1" if tp == 2 else "0"
+        )
+        if rc != 0:
+            raise RuntimeError(log)
+        outs[tp] = out
+        return True, json.loads((out / "eagle_extract.json").read_text())["timing"]
+
+    check("qwen3-moe (30B-A3B widths, 4 layers) TP=1 runs", lambda: run(1))
+    check("qwen3-moe TP=2 runs", lambda: run(2))
+
+    def tp_equal():
+        n = json.loads((outs[1] / "eagle_extract.json").read_text())["num_samples"]
+        errs = [rel_err(load_row(outs[2], i)["hidden_states"], load_row(outs[1], i)["hidden_states"]) for i in range(n)]
+        same_ids = all(
+            torch.equal(load_row(outs[2], i)["token_ids"], load_row(outs[1], i)["token_ids"]) for i in range(n)
+        )
+        return max(
+            errs
+        ) < 2e-2 and same_ids, f"bf16 TP=2 vs TP=1 worst sample rel err {max(errs):.1e}; token files equal {same_ids}"
+
+    check("qwen3-moe TP=2 vs TP=1 (bf16)", tp_equal)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-work"))
+    ap.add_argument("--out", type=Path, default=Path("gpu-results"))
+    ap.add_argument("--parts", default="smollm2,moe")
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = write_mixed_conversations(args.work / "mixed.jsonl")
+    parts = args.parts.split(",")
+    if "smollm2" in parts:
+        smollm2_checks(args.work, data)
+    if "moe" in parts and (DEVICE == "cpu" or torch.cuda.device_count() >= 2):
+        moe_checks(args.work, data)
+    import vllm
+
+    gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "none (CPU dry run)"
+    env = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": gpu,
+        "gpus": torch.cuda.device_count(),
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+    }
+    print(f"\n{env}\n| check | result | detail | s |\n|---|---|---|---|")
+    for r in RESULTS:
+        print(f"| {r['check']} | {'PASS' if r['ok'] else 'FAIL'} | {r['detail']} | {r['seconds']} |")
+    (args.out / "gpu_checks.json").write_text(json.dumps({"env": env, "results": RESULTS}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The independent reference and shared helpers for the CPU suite and the GPU check script.
+
+The reference is Hugging Face transformers on the same weights, in float32.  Slot for id
+L < n is `output_hidden_states[L]`; the final slot (id n) is the *input* of the final norm,
+captured with a forward pre-hook, because transformers' last `output_hidden_states` entry
+is taken after the norm (FACTS §2).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+SAMPLE_DATA = Path(__file__).resolve().parents[1] / "eagle_extract" / "sample_data"
+
+
+class Reference:
+    def __init__(self, model_path: Path, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM
+
+        self.device = device
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model = model.to(device).eval()
+        self.num_layers = self.model.config.num_hidden_layers
+        self._norm_input = None
+        self.model.model.norm.register_forward_pre_hook(self._grab)
+
+    def _grab(self, module, args):
+        self._norm_input = args[0].detach().clone()
+
+    @torch.no_grad()
+    def slots(self, input_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+        """[T, K, H] float32 on the CPU for the given ids; id n means the final norm's input."""
+        out = self.model(torch.tensor([input_ids], device=self.device), output_hidden_states=True)
+        hs = out.hidden_states
+        cols = [self._norm_input[0] if i == self.num_layers else hs[i][0] for i in layer_ids]
+        return torch.stack(cols, dim=1).cpu()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def load_row(out: Path, i: int) -> dict:
+    return load_file(str(Path(out) / "hidden_states" / f"hs_{i}.safetensors"))
+
+
+def compare_with_reference(out: Path, ref: Reference) -> tuple[dict, dict]:
+    """Relative error per slot layer id: (worst single sample, all tokens together)."""
+    from datasets import load_from_disk
+
+    layer_ids = json.loads((Path(out) / "eagle_extract.json").read_text())["slot_layer_ids"]
+    rows = load_from_disk(str(out))
+    worst, err2, ref2 = {}, dict.fromkeys(layer_ids, 0.0), dict.fromkeys(layer_ids, 0.0)
+    for i in range(len(rows)):
+        got = load_row(out, i)["hidden_states"]
+        want = ref.slots(rows[i]["input_ids"].tolist(), layer_ids)
+        assert got.shape == want.shape, (got.shape, want.shape)
+        for k, layer in enumerate(layer_ids):
+            a, b = got[:, k].double(), want[:, k].double()
+            worst[layer] = max(worst.get(layer, 0.0), rel_err(a, b))
+            err2[layer] += float((a - b).square().sum())
+            ref2[layer] += float(b.square().sum())
+    overall = {k: (err2[k] / ref2[k]) ** 0.5 if ref2[k] else 0.0 for k in layer_ids}
+    return worst, overall
+
+
+def write_mixed_conversations(path: Path) -> Path:
+    """20 short real conversations plus 4 long multi-turn ones (about 400-700 tokens), so a
+    small token budget splits prompts over several engine steps."""
+    rows = json.loads((SAMPLE_DATA / "sharegpt_dummy_conversations.json").read_text())[:20]
+    questions = [json.loads(line)["turns"][0] for line in (SAMPLE_DATA / "vicuna_bench_questions.jsonl").open()]
+    for k in range(4):
+        turns = []
+        for q in questions[k * 6 : k * 6 + 6]:
+            turns += [{"role": "user", "content": q}, {"role": "assistant", "content": " ".join(questions[: k + 3])}]
+        rows.append({"messages": turns})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
