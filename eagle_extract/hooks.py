@@ -8,6 +8,8 @@ of positions in the flat batch is matched to a request by its token ids and posi
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -111,11 +113,23 @@ class RequestMatcher:
         self._in_flight.pop(req.index, None)
 
 
+@dataclass
+class _Step:
+    """One engine step's captures, possibly still being copied off the GPU."""
+
+    slots: torch.Tensor  # [K, N, H] host memory (pinned when the model is on a GPU)
+    token_ids: torch.Tensor  # [N] int64, host
+    positions: torch.Tensor  # [N] or [3, N] int64, host
+    ready: object | None  # a CUDA event the copies finish at, None on the CPU
+
+
 class StepCapture:
     """Hooks on one worker's decoder stack; calls `on_complete(index, hidden[T,K,H], token_ids)`.
 
-    Capture happens only on the stage that owns every requested layer; `aux_ids` are layer
-    ids in vLLM's EAGLE-3 convention and the final slot is always appended.
+    The hooks only launch copies: on a GPU, `hidden + residual` goes to pinned host memory on
+    a side stream, so the forward pass never waits for the host. A background thread waits
+    for each step's copies, splits the step into requests and hands finished requests on.
+    At most `max_steps` steps wait in line; beyond that the forward pass blocks (back-pressure).
     """
 
     def __init__(
@@ -123,6 +137,7 @@ class StepCapture:
         stack: DecoderStack,
         aux_ids: list[int],
         on_complete: Callable[[int, torch.Tensor, list[int]], None],
+        max_steps: int = 4,
     ) -> None:
         if stack.embed is None:
             raise RuntimeError("token embedding not on this stage; capture needs the first pipeline stage")
@@ -132,11 +147,17 @@ class StepCapture:
         self.on_complete = on_complete
         self.matcher = RequestMatcher()
         self.stats = CaptureStats()
+        self.errors: list[str] = []
+        self.lock = threading.Lock()  # guards matcher and stats (hook thread, assembler, RPC)
         self._handles: list = []
-        self._step_ids: torch.Tensor | None = None
-        self._step_buf: torch.Tensor | None = None
+        self._ids: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None
+        self._stream = None
+        self._steps: queue.Queue = queue.Queue(maxsize=max_steps)
+        self._thread = threading.Thread(target=self._assemble_loop, daemon=True)
+        self._thread.start()
 
-    # -- hook plumbing -------------------------------------------------------------
+    # -- hook plumbing (runs inside the forward pass: launch work, never wait) ----------
     def install(self) -> None:
         layers = self.stack.layers
         self._handles.append(self.stack.embed.register_forward_pre_hook(self._on_embed))
@@ -149,23 +170,36 @@ class StepCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._steps.put(None)
+        self._thread.join()
+
+    def _to_host(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy to host memory; on a GPU asynchronously, on the side stream, into pinned memory."""
+        if t.device.type != "cuda":
+            return t.detach().clone() if out is None else out.copy_(t)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=t.device)
+        if out is None:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self._stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self._stream):
+            out.copy_(t, non_blocking=True)
+        t.record_stream(self._stream)  # keep t's memory until the side stream has read it
+        return out
 
     def _on_embed(self, module, args) -> None:
-        self._step_ids = args[0].detach().to("cpu", torch.int64).flatten()
-
-    def _slot_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        if self._step_buf is None:
-            n, h = like.shape[0], like.shape[-1]
-            self._step_buf = torch.empty((n, self.num_slots, h), dtype=like.dtype, device="cpu")
-        return self._step_buf
+        self._ids = self._to_host(args[0].detach().flatten().to(torch.int64))
 
     def _store(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         # vLLM's fused add+norm overwrites these tensors in place later: copy now.
-        buf = self._slot_buffer(hidden)
+        if self._slots is None:
+            n, h = hidden.shape[0], hidden.shape[-1]
+            pinned = hidden.device.type == "cuda"
+            self._slots = torch.empty((self.num_slots, n, h), dtype=hidden.dtype, pin_memory=pinned)
         if hidden.device.type == "cpu" and residual is not None:
-            torch.add(hidden, residual, out=buf[:, slot])
+            torch.add(hidden, residual, out=self._slots[slot])
         else:
-            buf[:, slot].copy_(_residual_stream(hidden, residual))
+            self._to_host(_residual_stream(hidden, residual), out=self._slots[slot])
 
     def _make_pre_hook(self, slot: int):
         def hook(module, args, kwargs):
@@ -178,27 +212,58 @@ class StepCapture:
         positions, _, _ = _layer_inputs(args, kwargs)
         hidden, residual = (output, None) if isinstance(output, torch.Tensor) else (output[0], output[1])
         self._store(self.num_slots - 1, hidden, residual)
-        self._finish_step(positions)
-
-    # -- per-step bookkeeping --------------------------------------------------------
-    def _finish_step(self, positions: torch.Tensor) -> None:
-        buf, ids = self._step_buf, self._step_ids
-        self._step_buf = self._step_ids = None
-        if buf is None or ids is None:
+        slots, ids = self._slots, self._ids
+        self._slots = self._ids = None
+        if slots is None or ids is None:
             return
-        self.stats.steps += 1
-        id_list = ids.tolist()
-        for offset, length, start_pos in segments(positions):
-            self.stats.segments += 1
-            tokens = id_list[offset : offset + length]
-            req = self.matcher.match(tokens, start_pos)
-            if req is None:
-                self.stats.unmatched_tokens += length
-                continue
-            req.chunks.append(buf[offset : offset + length])
-            req.filled += length
-            if req.filled == len(req.token_ids):
-                self.matcher.finished(req)
-                hidden = req.chunks[0] if len(req.chunks) == 1 else torch.cat(req.chunks)
-                self.on_complete(req.index, hidden, req.token_ids)
-        self.stats.split_requests = self.matcher.split_requests
+        positions = self._to_host(positions.detach().to(torch.int64))
+        ready = self._stream.record_event() if hidden.device.type == "cuda" else None
+        self._steps.put(_Step(slots, ids, positions, ready))
+
+    # -- per-step bookkeeping (background thread) --------------------------------------
+    def _assemble_loop(self) -> None:
+        while True:
+            step = self._steps.get()
+            try:
+                if step is None:
+                    return
+                if step.ready is not None:
+                    step.ready.synchronize()
+                self._assemble(step)
+            except Exception as exc:  # reported to the driver by eagle_drain
+                self.errors.append(f"capture: {type(exc).__name__}: {exc}")
+            finally:
+                self._steps.task_done()
+
+    def _assemble(self, step: _Step) -> None:
+        id_list = step.token_ids.tolist()
+        finished = []
+        with self.lock:
+            self.stats.steps += 1
+            for offset, length, start_pos in segments(step.positions):
+                self.stats.segments += 1
+                req = self.matcher.match(id_list[offset : offset + length], start_pos)
+                if req is None:
+                    self.stats.unmatched_tokens += length
+                    continue
+                # [K, T, H] view of the step -> a [T, K, H] tensor of its own, freeing the step buffer
+                req.chunks.append(step.slots[:, offset : offset + length].transpose(0, 1).contiguous())
+                req.filled += length
+                if req.filled == len(req.token_ids):
+                    self.matcher.finished(req)
+                    finished.append(req)
+            self.stats.split_requests = self.matcher.split_requests
+        for req in finished:
+            hidden = req.chunks[0] if len(req.chunks) == 1 else torch.cat(req.chunks)
+            self.on_complete(req.index, hidden, req.token_ids)
+
+    def expect(self, rows: list[tuple[int, list[int]]]) -> None:
+        with self.lock:
+            for index, token_ids in rows:
+                self.matcher.expect(index, token_ids)
+
+    def drain(self) -> dict:
+        """Wait until every captured step is assembled; report stats, pending rows and errors."""
+        self._steps.join()
+        with self.lock:
+            return {"stats": self.stats.as_dict(), "pending": self.matcher.pending, "errors": list(self.errors)}

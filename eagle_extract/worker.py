@@ -50,18 +50,17 @@ class HiddenStateExtension:
     def eagle_expect(self, rows: list[tuple[int, list[int]]]) -> None:
         """Announce the rows of the next generate call: (dataset row index, prompt token ids)."""
         if getattr(self, "_eagle", None):
-            for index, token_ids in rows:
-                self._eagle[0].matcher.expect(index, token_ids)
+            self._eagle[0].expect(rows)
 
     def eagle_drain(self, wait: bool = True) -> dict | None:
-        """Report rows written, bytes, errors and capture stats; `wait` until the disk has caught up."""
+        """Report rows written, errors and capture stats; `wait` until capture and disk have caught up."""
         if not getattr(self, "_eagle", None):
             return None
         capture, writer = self._eagle
+        captured = capture.drain() if wait else {"stats": {}, "pending": [], "errors": list(capture.errors)}
         report = writer.drain(wait)
-        report["pending"] = capture.matcher.pending
-        report["stats"] = capture.stats.as_dict()
-        return report
+        report["errors"] = captured["errors"] + report["errors"]
+        return {**captured, **report}
 
     def eagle_remove(self) -> None:
         if getattr(self, "_eagle", None):

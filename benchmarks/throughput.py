@@ -1,0 +1,149 @@
+"""Side-by-side throughput: plain vLLM prefill against eagle-extract capture + writes, one engine.
+
+    python benchmarks/throughput.py --model PATH [--dummy] --prompts 128 --prompt-len 1024 --reps 3
+
+The engine is started once with eagle-extract's settings (eager, no prefix caching, the worker
+extension). Each repetition runs (a) plain `generate(max_tokens=1)` with no hooks installed,
+then (b) the same prompts with hooks installed and every file written and flushed to disk.
+a and b alternate, so drift (thermal, page cache) hits both. Prints one table: tokens/s
+(median, min, max), the b/a ratio (median of per-repetition ratios), bytes per token,
+GB/s written and the peak resident memory of the whole process tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class PeakRSS:
+    """Polls the summed resident memory of this process and all its children."""
+
+    def __init__(self, every: float = 0.1) -> None:
+        self.peak, self._stop, self._every = 0, threading.Event(), every
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        while not self._stop.is_set():
+            total = 0
+            for p in [me, *me.children(recursive=True)]:
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+            self._stop.wait(self._every)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def stats(values: list[float]) -> str:
+    return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dummy", action="store_true", help="random weights from config.json (load_format=dummy)")
+    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--layers", default=None)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/eagle-bench"))
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoConfig
+    from vllm import SamplingParams, TokensPrompt
+
+    from eagle_extract.engine import start_engine
+    from eagle_extract.layers import parse_layer_ids
+
+    text = AutoConfig.from_pretrained(args.model).get_text_config()
+    aux = parse_layer_ids(args.layers, text.num_hidden_layers)
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(100, text.vocab_size - 100, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)
+    ]
+    tokens = args.prompts * args.prompt_len
+    extra = {"skip_tokenizer_init": True}
+    if args.dummy:
+        extra["load_format"] = "dummy"
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        llm = start_engine(args.model, tp=args.tp, dtype=args.dtype, max_model_len=args.prompt_len + 1, extra=extra)
+        start_s = time.perf_counter() - t0
+        params = SamplingParams(max_tokens=1, detokenize=False)
+        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        llm.generate(batch[:8], params, use_tqdm=False)  # warm-up
+        plain, capture, written = [], [], []
+        for rep in range(args.reps):
+            t = time.perf_counter()
+            llm.generate(batch, params, use_tqdm=False)
+            plain.append(tokens / (time.perf_counter() - t))
+
+            shutil.rmtree(args.out, ignore_errors=True)
+            llm.collective_rpc("eagle_install", args=(str(args.out), aux, None))
+            t = time.perf_counter()
+            llm.collective_rpc("eagle_expect", args=([(i, p) for i, p in enumerate(prompts)],))
+            llm.generate(batch, params, use_tqdm=False)
+            reports = [r for r in llm.collective_rpc("eagle_drain", args=(True,)) if r]
+            capture.append(tokens / (time.perf_counter() - t))
+            llm.collective_rpc("eagle_remove")
+            assert not reports[0]["errors"] and len(reports[0]["written"]) == args.prompts, reports[0]["errors"]
+            written.append(sum(f.stat().st_size for f in (args.out / "hidden_states").iterdir()))
+    ratios = [b / a for a, b in zip(plain, capture)]
+    per_token = written[-1] / tokens
+    figures = {
+        "model": args.model,
+        "dummy": args.dummy,
+        "tp": args.tp,
+        "dtype": args.dtype,
+        "prompts": args.prompts,
+        "prompt_len": args.prompt_len,
+        "reps": args.reps,
+        "slots": aux + [text.num_hidden_layers],
+        "engine_start_s": round(start_s, 1),
+        "plain_tok_s": plain,
+        "extract_tok_s": capture,
+        "ratios": ratios,
+        "bytes_per_token": per_token,
+        "write_GBps": statistics.median(capture) * per_token / 1e9,
+        "peak_rss_GiB": mem.peak / 2**30,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    }
+    print(
+        f"\n| run | tokens/s median (min-max) |\n|---|---|\n| a: plain generate(max_tokens=1) | {stats(plain)} |"
+        f"\n| b: eagle-extract, files written | {stats(capture)} |"
+    )
+    print(
+        f"b/a median {statistics.median(ratios):.3f} (per-rep {', '.join(f'{r:.3f}' for r in ratios)}); "
+        f"{per_token:,.0f} B/token; {figures['write_GBps']:.2f} GB/s written; "
+        f"peak RSS of process tree {figures['peak_rss_GiB']:.1f} GiB; engine start {start_s:.0f} s"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
