@@ -33,7 +33,21 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
     return args
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _ExtractByDefault(click.Group):
+    """`eagle-extract [OPTIONS]` runs `extract`; `eagle-extract verify DIR` runs a named command."""
+
+    def parse_args(self, ctx, args):
+        if not args or args[0] not in self.commands:
+            args = ["extract", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_ExtractByDefault, context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """eagle-extract: EAGLE-3 training data from models running in vLLM."""
+
+
+@main.command("extract", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option(
     "--model",
     default=BUNDLED_MODEL,
@@ -107,7 +121,7 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
 )
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (config, tokenizer).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing extraction in --output.")
-def main(
+def extract_command(
     model,
     data,
     output,
@@ -128,6 +142,7 @@ def main(
     Writes speculators' offline layout: an Arrow dataset (input_ids, loss_mask, seq_len),
     token_freq.pt, hidden_states/hs_{i}.safetensors ([tokens, slots, hidden]) and a manifest.
     With no options it extracts the bundled SmolLM2 model over the bundled conversations.
+    Rerunning an interrupted command resumes it. Check an output with `eagle-extract verify DIR`.
     """
     extra = _parse_engine_args(engine_args)
     if max_num_batched_tokens:
@@ -151,10 +166,21 @@ def main(
         decoder_path=decoder_path,
         engine_args=extra,
     )
+    _summarise(_run_or_fail(run, cfg), model, output)
+
+
+def _run_or_fail(fn, *args) -> dict:
     try:
-        manifest = run(cfg, log=click.echo)
+        return fn(*args, log=click.echo)
     except (ExtractError, LayerError, DataError) as exc:
         raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        raise click.ClickException(
+            "interrupted; every completed row is kept: rerun the same command to resume"
+        ) from None
+
+
+def _summarise(manifest: dict, model: str, output: Path) -> None:
     t = manifest["timing"]
     click.echo(
         f"done: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
@@ -167,3 +193,36 @@ def main(
     click.echo(
         f"train on it: speculators train --verifier-name-or-path {model} --data-path {output} --target-layer-ids {ids}"
     )
+
+
+@main.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("output", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--repair", is_flag=True, help="Delete the broken rows' files and rerun the recorded extraction for them."
+)
+def verify(output, repair):
+    """Check an eagle-extract output: every row's file present and readable to the end, shapes
+    and dtypes as the manifest says, token_ids equal to input_ids, no NaN or Inf, token_freq.pt
+    consistent. Exits 1 and lists the problems when there are any."""
+    from .extract import repair as rerun_rows
+    from .verify import verify as find_problems
+
+    problems = find_problems(output)
+    for row, why in problems:
+        click.echo(f"{'row ' + str(row) if row is not None else 'output'}: {why}", err=True)
+    if not problems:
+        click.echo(f"ok: {output} passes every check")
+        return
+    if not repair:
+        raise click.ClickException(
+            f"{len(problems)} problem(s) in {output}; `eagle-extract verify --repair {output}` fixes them"
+        )
+    if not (output / "eagle_extract.json").exists():
+        raise click.ClickException("no manifest to repair from: rerun the original extraction command to resume it")
+    rows = sorted({row for row, _ in problems if row is not None})
+    click.echo(f"repairing {len(rows)} row(s)")
+    manifest = _run_or_fail(lambda log: rerun_rows(output, rows, log=log))
+    remaining = find_problems(output, progress=False)
+    if remaining:
+        raise click.ClickException(f"{len(remaining)} problem(s) remain after repair; first: {remaining[0][1]}")
+    click.echo(f"repaired: {output} passes every check ({manifest['num_samples']} rows)")

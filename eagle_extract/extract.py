@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import __version__
@@ -18,6 +18,7 @@ from .writer import (
     MANIFEST,
     completed_rows,
     hidden_state_path,
+    read_manifest,
     write_dataset,
     write_manifest,
 )
@@ -264,6 +265,8 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     write_dataset(output, [s.input_ids for s in samples], [s.loss_mask for s in samples])
     manifest = {
         "format": "speculators-offline",
+        "identity": identity,
+        "config": {**asdict(cfg), "data": str(cfg.data), "output": str(cfg.output), "overwrite": False},
         "model": str(cfg.model),
         "aux_layer_ids": aux_ids,
         "final_layer_id": shape.num_layers,
@@ -302,3 +305,17 @@ def _write_skip_report(output: Path, report: LoadReport) -> None:
         with open(output / "skipped_rows.jsonl", "w") as f:
             for row, why in report.skipped:
                 f.write(json.dumps({"row": row, "reason": why}) + "\n")
+
+
+def repair(output: Path, rows: list[int], log=print) -> dict:
+    """Delete the given rows' files and rerun the recorded extraction, which rewrites just those."""
+    output = Path(output)
+    manifest = read_manifest(output)
+    for i in rows:
+        hidden_state_path(output, i).unlink(missing_ok=True)
+    tmp = output / f"{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(manifest["identity"], indent=2))
+    os.replace(tmp, output / RUN_FILE)  # the output is an unfinished run again ...
+    (output / MANIFEST).unlink()  # ... and no longer looks complete
+    config = manifest["config"]
+    return run(ExtractConfig(**{**config, "data": Path(config["data"]), "output": output}), log=log)

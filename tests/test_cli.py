@@ -85,6 +85,7 @@ def test_unfinished_run_with_other_settings_is_refused(tmp_path, smollm2):
 
 
 def test_engine_args_that_would_disable_hooks_are_refused(tmp_path, smollm2):
-    line = _error_line(run_cli("--model", str(smollm2), "--data", DATA, "--engine-arg", "enforce_eager=false",
-                               check=False))
+    line = _error_line(
+        run_cli("--model", str(smollm2), "--data", DATA, "--engine-arg", "enforce_eager=false", check=False)
+    )
     assert "enforce_eager is fixed by eagle-extract" in line

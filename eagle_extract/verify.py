@@ -1,0 +1,78 @@
+"""`eagle-extract verify DIR`: check an output against its manifest, file by file.
+
+Finds missing, truncated or unreadable hidden-state files, wrong shapes or dtypes,
+`token_ids` that differ from the row's `input_ids`, NaN/Inf values, stray files, and a
+`token_freq.pt` that does not match the rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .writer import HIDDEN_DIR, MANIFEST, completed_rows, hidden_state_path, read_manifest, token_frequencies
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def check_row(output: Path, index: int, input_ids: torch.Tensor, slots: int, hidden: int, dtype) -> str | None:
+    """The problem with row `index`'s file, or None."""
+    from safetensors import safe_open
+
+    path = hidden_state_path(output, index)
+    if not path.exists():
+        return "hidden-state file missing"
+    try:
+        with safe_open(str(path), "pt") as f:
+            hs, tok = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
+    except Exception as exc:
+        return f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+    expected = (len(input_ids), slots, hidden)
+    if tuple(hs.shape) != expected:
+        return f"hidden_states shape {tuple(hs.shape)}, expected {expected}"
+    if hs.dtype != dtype:
+        return f"hidden_states dtype {hs.dtype}, expected {dtype}"
+    if tok.dtype != torch.int64 or not torch.equal(tok, input_ids):
+        return "token_ids differ from the row's input_ids"
+    if not torch.isfinite(hs).all():
+        return "hidden_states hold NaN or Inf"
+    return None
+
+
+def verify(output: Path, progress: bool = True) -> list[tuple[int | None, str]]:
+    """Every problem found, as (row or None, what is wrong)."""
+    from datasets import load_from_disk
+    from tqdm import tqdm
+
+    output = Path(output)
+    if not (output / MANIFEST).exists():
+        hint = "rerun the extraction to finish it" if (output / HIDDEN_DIR).exists() else "not an eagle-extract output"
+        return [(None, f"no {MANIFEST}: {hint}")]
+    manifest = read_manifest(output)
+    try:
+        rows = load_from_disk(str(output))
+    except Exception as exc:
+        return [(None, f"Arrow dataset unreadable: {exc}")]
+    problems: list[tuple[int | None, str]] = []
+    if len(rows) != manifest["num_samples"]:
+        problems.append((None, f"dataset has {len(rows)} rows, manifest says {manifest['num_samples']}"))
+    slots, hidden, dtype = len(manifest["slot_layer_ids"]), manifest["hidden_size"], DTYPES[manifest["dtype"]]
+    ids_all, masks_all = [], []
+    for i in tqdm(range(len(rows)), desc="verify", unit="row", disable=not progress):
+        row = rows[i]
+        ids_all.append(row["input_ids"].tolist())
+        masks_all.append(row["loss_mask"].tolist())
+        problem = check_row(output, i, row["input_ids"], slots, hidden, dtype)
+        if problem:
+            problems.append((i, problem))
+    problems += [
+        (i, "stray hidden-state file beyond the last row") for i in sorted(completed_rows(output)) if i >= len(rows)
+    ]
+    try:
+        freq = torch.load(output / "token_freq.pt")
+        if freq != token_frequencies(ids_all, masks_all):
+            problems.append((None, "token_freq.pt does not match the rows' loss-mask tokens"))
+    except Exception as exc:
+        problems.append((None, f"token_freq.pt unreadable: {exc}"))
+    return problems

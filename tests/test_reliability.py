@@ -1,0 +1,108 @@
+"""Crash safety and verification: SIGKILL then rerun, `verify` finding damage, `--repair`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from datasets import load_from_disk
+from safetensors.torch import save_file
+
+from eagle_extract.verify import verify
+from eagle_extract.writer import hidden_state_path, read_manifest
+
+from .common import load_row, rel_err
+from .conftest import BUDGET, run_cli
+
+
+def _assert_same_output(got, want):
+    a, b = load_from_disk(str(got)).with_format(None), load_from_disk(str(want)).with_format(None)
+    assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
+    names = sorted(p.name for p in (got / "hidden_states").iterdir())
+    assert names == sorted(f"hs_{i}.safetensors" for i in range(len(b)))  # no gaps, no extras, no temp files
+    for i in range(len(b)):
+        x, y = load_row(got, i), load_row(want, i)
+        assert torch.equal(x["token_ids"], y["token_ids"])
+        assert rel_err(x["hidden_states"], y["hidden_states"]) < 1e-5
+
+
+def test_clean_output_verifies(tiny_tp1_out):
+    assert verify(tiny_tp1_out, progress=False) == []
+    proc = run_cli("verify", str(tiny_tp1_out))
+    assert "passes every check" in proc.stdout
+
+
+def test_sigkill_then_rerun_equals_uninterrupted_run(tmp_path, tiny_llama, mixed_conversations, tiny_tp1_out):
+    out = tmp_path / "killed"
+    args = [
+        "--model",
+        str(tiny_llama),
+        "--data",
+        str(mixed_conversations),
+        "--output",
+        str(out),
+        "--dtype",
+        "float32",
+        *BUDGET,
+        "--batch-size",
+        "1",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagle_extract", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and not list((out / "hidden_states").glob("hs_*.safetensors")):
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver, its engine core and its workers
+    proc.wait()
+    done = len(list((out / "hidden_states").glob("hs_*.safetensors")))
+    assert 0 < done < 24 and not (out / "eagle_extract.json").exists(), done
+    result = run_cli(*args)
+    assert f"resuming, {done} rows already written" in result.stdout
+    assert read_manifest(out)["resumed_rows"] >= done
+    _assert_same_output(out, tiny_tp1_out)
+
+
+def _damage(out):
+    """Break rows 0-3 four different ways, add a stray file; return {row: expected words}."""
+    p0 = hidden_state_path(out, 0)
+    p0.write_bytes(p0.read_bytes()[: p0.stat().st_size // 2])  # truncated
+    hidden_state_path(out, 1).unlink()  # deleted
+    row2 = load_row(out, 2)
+    save_file(
+        {"hidden_states": row2["hidden_states"], "token_ids": row2["token_ids"] + 1}, str(hidden_state_path(out, 2))
+    )
+    row3 = load_row(out, 3)
+    row3["hidden_states"][0, 0, 0] = float("nan")
+    save_file(row3, str(hidden_state_path(out, 3)))
+    shutil.copy(hidden_state_path(out, 4), hidden_state_path(out, 999))
+    return {0: "unreadable", 1: "missing", 2: "token_ids differ", 3: "NaN", 999: "stray"}
+
+
+def test_verify_finds_every_damage_and_repair_fixes_it(tmp_path, tiny_tp1_out):
+    out = tmp_path / "damaged"
+    shutil.copytree(tiny_tp1_out, out)
+    expected = _damage(out)
+    found = dict(verify(out, progress=False))
+    assert set(found) == set(expected)
+    for row, words in expected.items():
+        assert words in found[row], (row, found[row])
+
+    proc = run_cli("verify", str(out), check=False)
+    assert proc.returncode == 1 and "5 problem(s)" in proc.stderr and "--repair" in proc.stderr
+
+    untouched = hidden_state_path(out, 5).stat().st_mtime_ns
+    hidden_state_path(out, 999).unlink()  # a stray file is the user's to remove, not a row to redo
+    proc = run_cli("verify", "--repair", str(out))
+    assert "repaired" in proc.stdout
+    assert hidden_state_path(out, 5).stat().st_mtime_ns == untouched  # only broken rows were redone
+    assert read_manifest(out)["resumed_rows"] == read_manifest(out)["num_samples"] - 4
+    _assert_same_output(out, tiny_tp1_out)
