@@ -174,9 +174,50 @@ def _drain(llm, wait: bool) -> dict:
     }
 
 
+def _capture(cfg: ExtractConfig, output: Path, aux_ids, shape: ModelShape, samples, todo, done):
+    """Start the engine, stream the rows still to do through it; returns (rows written, capture
+    stats, engine start seconds, extraction seconds)."""
+    from tqdm import tqdm
+    from vllm import SamplingParams, TokensPrompt
+
+    from .engine import start_engine
+
+    t0 = time.perf_counter()
+    llm = start_engine(
+        cfg.model,
+        tp=cfg.tp,
+        dtype=cfg.dtype,
+        trust_remote_code=cfg.trust_remote_code,
+        max_model_len=max(len(s.input_ids) for s in samples) + 1,
+        extra=cfg.engine_args,
+    )
+    start_s = time.perf_counter() - t0
+    installed = llm.collective_rpc("eagle_install", args=(str(output), aux_ids, cfg.decoder_path))
+    writers = [w for w in installed if w["writes"]]
+    if len(writers) != 1 or writers[0]["num_layers"] != shape.num_layers:
+        raise ExtractError(f"expected one writing rank hooking {shape.num_layers} layers, got {installed}")
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    written = set(done)
+    t1 = time.perf_counter()
+    with tqdm(total=len(samples), initial=len(done), unit="sample", desc="extract", dynamic_ncols=True) as bar:
+        done_tokens = 0
+        for batch in _batches(todo, cfg.batch_size):
+            llm.collective_rpc("eagle_expect", args=([(i, s.input_ids) for i, s in batch],))
+            llm.generate([TokensPrompt(prompt_token_ids=s.input_ids) for _, s in batch], params, use_tqdm=False)
+            written.update(_drain(llm, wait=False)["written"])
+            done_tokens += sum(len(s.input_ids) for _, s in batch)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t1):,.0f}")
+        got = _drain(llm, wait=True)
+    written.update(got["written"])
+    extract_s = time.perf_counter() - t1
+    llm.collective_rpc("eagle_remove")
+    return written, got["stats"], start_s, extract_s
+
+
 def run(cfg: ExtractConfig, log=print) -> dict:
     """Run a whole extraction; returns the manifest that was written."""
-    from tqdm import tqdm
     from transformers import AutoTokenizer
 
     from .engine import check_engine_args
@@ -221,41 +262,16 @@ def run(cfg: ExtractConfig, log=print) -> dict:
             f"not enough disk space for {expected_bytes / 2**30:.2f} GiB at {output}; free space or lower --max-samples"
         )
 
-    from vllm import SamplingParams, TokensPrompt
-
-    from .engine import start_engine
-
-    t0 = time.perf_counter()
-    llm = start_engine(
-        cfg.model,
-        tp=cfg.tp,
-        dtype=cfg.dtype,
-        trust_remote_code=cfg.trust_remote_code,
-        max_model_len=max(len(s.input_ids) for s in samples) + 1,
-        extra=cfg.engine_args,
-    )
-    start_s = time.perf_counter() - t0
-    installed = llm.collective_rpc("eagle_install", args=(str(output), aux_ids, cfg.decoder_path))
-    writers = [w for w in installed if w["writes"]]
-    if len(writers) != 1 or writers[0]["num_layers"] != shape.num_layers:
-        raise ExtractError(f"expected one writing rank hooking {shape.num_layers} layers, got {installed}")
-
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    written = set(done)
-    t1 = time.perf_counter()
-    with tqdm(total=len(samples), initial=len(done), unit="sample", desc="extract", dynamic_ncols=True) as bar:
-        done_tokens = 0
-        for batch in _batches(todo, cfg.batch_size):
-            llm.collective_rpc("eagle_expect", args=([(i, s.input_ids) for i, s in batch],))
-            llm.generate([TokensPrompt(prompt_token_ids=s.input_ids) for _, s in batch], params, use_tqdm=False)
-            written.update(_drain(llm, wait=False)["written"])
-            done_tokens += sum(len(s.input_ids) for _, s in batch)
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t1):,.0f}")
-        got = _drain(llm, wait=True)
-    written.update(got["written"])
-    extract_s = time.perf_counter() - t1
-    llm.collective_rpc("eagle_remove")
+    try:
+        written, stats, start_s, extract_s = _capture(cfg, output, aux_ids, shape, samples, todo, done)
+    except ExtractError:
+        raise
+    except Exception as exc:  # the engine or a worker died: say so in one line, keep what is written
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ExtractError(
+            f"the vLLM engine failed ({type(exc).__name__}: {first[:200]}); "
+            "every completed row is kept: fix the cause and rerun the same command to resume"
+        ) from None
     missing = sorted(set(range(len(samples))) - written)
     if missing:
         raise ExtractError(
@@ -285,7 +301,7 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         "tensor_parallel_size": cfg.tp,
         "engine_args": cfg.engine_args,
         "resumed_rows": len(done),
-        "capture": got["stats"],
+        "capture": stats,
         "timing": {
             "engine_start_s": round(start_s, 2),
             "extract_s": round(extract_s, 2),

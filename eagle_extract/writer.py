@@ -51,14 +51,18 @@ def write_hidden_states(output: Path, index: int, hidden: torch.Tensor, token_id
     try:
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
-    except OSError as exc:
+    except Exception as exc:
         tmp.unlink(missing_ok=True)
-        if exc.errno == errno.ENOSPC:
+        if _is_disk_full(exc):
             raise OSError(errno.ENOSPC, _disk_full_message(path, hidden.nbytes)) from None
         raise
-    except Exception:
-        tmp.unlink(missing_ok=True)
-        raise
+
+
+def _is_disk_full(exc: Exception) -> bool:
+    """ENOSPC as an OSError, or inside safetensors' own error, which carries only the text."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    return "No space left on device" in str(exc) or "os error 28" in str(exc)
 
 
 class BackgroundWriter:

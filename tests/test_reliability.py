@@ -9,10 +9,12 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from datasets import load_from_disk
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from eagle_extract.extract import RUN_FILE
 from eagle_extract.verify import verify
 from eagle_extract.writer import hidden_state_path, read_manifest
 
@@ -105,4 +107,70 @@ def test_verify_finds_every_damage_and_repair_fixes_it(tmp_path, tiny_tp1_out):
     assert "repaired" in proc.stdout
     assert hidden_state_path(out, 5).stat().st_mtime_ns == untouched  # only broken rows were redone
     assert read_manifest(out)["resumed_rows"] == read_manifest(out)["num_samples"] - 4
+    _assert_same_output(out, tiny_tp1_out)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB filesystem of its own, so filling it up harms nothing else."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _fill(disk, leave: int):
+    """Fill `disk` until it is full, then free `leave` bytes."""
+    ballast = disk / "ballast"
+    with open(ballast, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass
+    os.truncate(ballast, max(0, ballast.stat().st_size - leave))
+    return ballast
+
+
+def test_full_disk_mid_run_stops_cleanly_and_resumes(small_disk, tiny_llama, mixed_conversations, tiny_tp1_out):
+    out = small_disk / "out"
+    args = [
+        "--model",
+        str(tiny_llama),
+        "--data",
+        str(mixed_conversations),
+        "--output",
+        str(out),
+        "--dtype",
+        "float32",
+        *BUDGET,
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagle_extract", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while not (out / RUN_FILE).exists() and time.time() < deadline:  # the size check has passed
+            time.sleep(0.05)
+        ballast = _fill(small_disk, leave=200_000)  # room for a few rows, not for all of them
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    last = stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and "disk full" in last and "rerun the same command to resume" in last, last
+    assert not (out / "eagle_extract.json").exists()
+    kept = sorted((out / "hidden_states").glob("hs_*.safetensors"))
+    assert len(kept) < 24
+    for path in kept:  # every file under a final name is whole
+        assert load_file(str(path))["hidden_states"].shape[1:] == (3, 128)
+
+    ballast.unlink()
+    run_cli(*args)
     _assert_same_output(out, tiny_tp1_out)

@@ -6,6 +6,7 @@ import errno
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from eagle_extract import writer
@@ -32,9 +33,17 @@ def _disk_full(tensors, filename, metadata=None):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def test_full_disk_leaves_no_file_and_names_the_fix(tmp_path, monkeypatch):
+def _safetensors_disk_full(tensors, filename, metadata=None):
+    with open(filename, "wb") as f:
+        f.write(b"partial")
+    # what safetensors 0.8 raises on a full disk (seen in the full-disk test): no errno, only text
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+@pytest.mark.parametrize("failing_save", [_disk_full, _safetensors_disk_full])
+def test_full_disk_leaves_no_file_and_names_the_fix(tmp_path, monkeypatch, failing_save):
     (tmp_path / "hidden_states").mkdir()
-    monkeypatch.setattr(writer, "save_file", _disk_full)
+    monkeypatch.setattr(writer, "save_file", failing_save)
     with pytest.raises(OSError, match="disk full .* free space and rerun") as err:
         write_hidden_states(tmp_path, 0, torch.zeros(2, 2, 2), [1, 2])
     assert "\n" not in str(err.value)
