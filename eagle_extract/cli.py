@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from importlib import resources
 from pathlib import Path
 
@@ -169,7 +170,13 @@ def extract_command(
     _summarise(_run_or_fail(run, cfg), model, output)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def _run_or_fail(fn, *args) -> dict:
+    """Run the job; user-facing failures and SIGINT/SIGTERM become one line and exit 1."""
+    signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop: leave resumable, like Ctrl-C
     try:
         return fn(*args, log=click.echo)
     except (ExtractError, LayerError, DataError) as exc:

@@ -8,7 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from datasets import load_from_disk
@@ -159,11 +161,8 @@ def test_full_disk_mid_run_stops_cleanly_and_resumes(small_disk, tiny_llama, mix
         while not (out / RUN_FILE).exists() and time.time() < deadline:  # the size check has passed
             time.sleep(0.05)
         ballast = _fill(small_disk, leave=200_000)  # room for a few rows, not for all of them
-        _, stderr = proc.communicate(timeout=300)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    last = stderr.strip().splitlines()[-1]
+        last = _finish(proc, timeout=300)
     assert proc.returncode != 0 and "disk full" in last and "rerun the same command to resume" in last, last
     assert not (out / "eagle_extract.json").exists()
     kept = sorted((out / "hidden_states").glob("hs_*.safetensors"))
@@ -174,3 +173,74 @@ def test_full_disk_mid_run_stops_cleanly_and_resumes(small_disk, tiny_llama, mix
     ballast.unlink()
     run_cli(*args)
     _assert_same_output(out, tiny_tp1_out)
+
+
+def _start_and_wait_for_rows(args):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagle_extract", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    out = Path(args[args.index("--output") + 1])
+    deadline = time.time() + 240
+    while time.time() < deadline and not list((out / "hidden_states").glob("hs_*.safetensors")):
+        time.sleep(0.02)
+    return proc, out
+
+
+def _finish(proc, timeout=120):
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # the one-line error; Python's resource tracker may print warnings after it at exit
+    return next((line for line in reversed(stderr.splitlines()) if line.startswith("Error:")), stderr[-2000:])
+
+
+def test_sigterm_leaves_a_resumable_output(tmp_path, tiny_llama, mixed_conversations):
+    args = [
+        "--model",
+        str(tiny_llama),
+        "--data",
+        str(mixed_conversations),
+        "--output",
+        str(tmp_path / "o"),
+        "--dtype",
+        "float32",
+        *BUDGET,
+        "--batch-size",
+        "1",
+    ]
+    proc, out = _start_and_wait_for_rows(args)
+    proc.send_signal(signal.SIGTERM)  # the driver only, as a batch scheduler would
+    last = _finish(proc)
+    assert proc.returncode == 1 and "interrupted" in last and "rerun the same command to resume" in last, last
+    assert (out / RUN_FILE).exists() and not (out / "eagle_extract.json").exists()
+    assert not list((out / "hidden_states").glob("hs_*.tmp"))
+
+
+def test_a_dead_worker_is_reported_not_waited_for(tmp_path, tiny_llama, mixed_conversations):
+    args = [
+        "--model",
+        str(tiny_llama),
+        "--data",
+        str(mixed_conversations),
+        "--output",
+        str(tmp_path / "o"),
+        "--dtype",
+        "float32",
+        *BUDGET,
+        "--batch-size",
+        "1",
+    ]
+    proc, _ = _start_and_wait_for_rows(args)
+    workers = [
+        p for p in psutil.Process(proc.pid).children(recursive=True) if "Worker" in " ".join(p.cmdline() + [p.name()])
+    ]
+    assert workers, [p.name() for p in psutil.Process(proc.pid).children(recursive=True)]
+    workers[0].kill()
+    last = _finish(proc)
+    assert proc.returncode == 1 and "the vLLM engine failed" in last and "resume" in last, last
