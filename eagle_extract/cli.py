@@ -58,14 +58,14 @@ def main():
 )
 @click.option(
     "--data",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     default=None,
     help="JSON or JSONL conversations: OpenAI 'messages' or ShareGPT 'conversations' rows. "
     "[default: the bundled 500 ShareGPT sample conversations]",
 )
 @click.option(
     "--output",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     default=Path("eagle-extract-output"),
     show_default=True,
     help="Output folder, laid out for `speculators train --data-path`.",

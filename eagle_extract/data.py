@@ -54,7 +54,12 @@ def read_rows(path: Path) -> Iterator[tuple[int, object]]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}; pass an existing .json or .jsonl file to --data")
-    with path.open("r", encoding="utf-8") as f:
+    try:
+        with path.open("rb") as f:
+            f.read(1 << 20).decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"{path} is not UTF-8 text; --data takes JSON or JSONL conversations") from None
+    with path.open("r", encoding="utf-8", errors="replace") as f:
         head = f.read(1)
         while head and head.isspace():
             head = f.read(1)
@@ -169,5 +174,8 @@ def load_samples(
         samples.append(Sample(number, ids, mask, truncated))
     if not samples:
         reasons = "; ".join(f"row {n}: {why}" for n, why in report.skipped[:3])
-        raise DataError(f"no usable rows in {path} ({reasons or 'file is empty'})")
+        raise DataError(
+            f"no usable rows in {path} ({reasons or 'file is empty'}); "
+            "--data needs rows with OpenAI 'messages' or ShareGPT 'conversations'"
+        )
     return samples, report

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +48,7 @@ class ExtractConfig:
 
 @dataclass
 class ModelShape:
+    context: int | None
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -57,6 +59,10 @@ class ModelShape:
 def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
     from transformers import AutoConfig
 
+    if not Path(model).exists() and (Path(model).is_absolute() or model.startswith(".")):
+        raise ExtractError(
+            f"--model {model}: no such folder; pass a local checkpoint folder (config.json, weights, tokenizer)"
+        )
     if not (Path(model) / "config.json").is_file() and Path(model).exists():
         raise ExtractError(
             f"--model {model}: folder has no config.json; point --model at a Hugging Face checkpoint folder"
@@ -72,6 +78,7 @@ def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
     heads = getattr(text, "num_attention_heads", 1)
     dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None) or "bfloat16"
     return ModelShape(
+        context=getattr(text, "max_position_embeddings", None),
         num_layers=text.num_hidden_layers,
         hidden_size=text.hidden_size,
         num_heads=heads,
@@ -99,10 +106,27 @@ def check_tp(tp: int, shape: ModelShape) -> None:
 RUN_FILE = ".eagle_extract_run.json"  # identity of an unfinished run, for resuming
 
 
-def prepare_output(output: Path, identity: dict, overwrite: bool) -> set[int]:
-    """Make `output` ready; returns the rows an interrupted identical run already wrote."""
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_output_writable(output: Path) -> None:
+    """Refuse an output that is a file or lies where nothing can be created, before any slow work."""
     if output.exists() and not output.is_dir():
         raise ExtractError(f"--output {output} is a file; name a folder")
+    parent = _nearest_existing(output)
+    try:
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as exc:
+        raise ExtractError(
+            f"--output {output}: cannot write in {parent} ({exc.strerror}); choose a writable folder"
+        ) from None
+
+
+def prepare_output(output: Path, identity: dict, overwrite: bool) -> set[int]:
+    """Make `output` ready; returns the rows an interrupted identical run already wrote."""
     if output.is_dir() and any(output.iterdir()):
         run_file = output / RUN_FILE
         if not (output / MANIFEST).exists() and not run_file.exists():
@@ -188,7 +212,7 @@ def _capture(cfg: ExtractConfig, output: Path, aux_ids, shape: ModelShape, sampl
         tp=cfg.tp,
         dtype=cfg.dtype,
         trust_remote_code=cfg.trust_remote_code,
-        max_model_len=max(len(s.input_ids) for s in samples) + 1,
+        max_model_len=max(len(s.input_ids) for s in samples) + 1,  # room for the one sampled token
         extra=cfg.engine_args,
     )
     start_s = time.perf_counter() - t0
@@ -231,8 +255,15 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     check_tp(cfg.tp, shape)
     if cfg.seq_length < 2:
         raise ExtractError("--seq-length must be at least 2")
+    check_output_writable(Path(cfg.output))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     samples, report = load_samples(cfg.data, tokenizer, cfg.seq_length, cfg.max_samples)
+    longest = max(len(s.input_ids) for s in samples)
+    if shape.context and longest >= shape.context:
+        raise ExtractError(
+            f"a sample of {longest} tokens does not fit the model's context of {shape.context}; "
+            f"pass --seq-length {shape.context - 1} or less to truncate it"
+        )
     output = Path(cfg.output)
     dtype = shape.dtype if cfg.dtype == "auto" else cfg.dtype
     data_sha = _sha256(Path(cfg.data))
@@ -244,23 +275,25 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         "seq_length": cfg.seq_length,
         "max_samples": cfg.max_samples,
     }
-    done = prepare_output(output, identity, cfg.overwrite)
-    todo = [(i, s) for i, s in enumerate(samples) if i not in done]
-
+    # Size check before anything is created: rows a resumable run already wrote need no room.
+    already = set() if cfg.overwrite else completed_rows(output)
     num_slots = len(aux_ids) + 1
     tokens = sum(len(s.input_ids) for s in samples)
-    todo_tokens = sum(len(s.input_ids) for _, s in todo)
+    todo_tokens = sum(len(s.input_ids) for i, s in enumerate(samples) if i not in already)
     expected_bytes = todo_tokens * num_slots * shape.hidden_size * dtype_bytes(dtype)
-    free = shutil.disk_usage(output).free
+    free = shutil.disk_usage(_nearest_existing(output)).free
+    if expected_bytes > free:
+        raise ExtractError(
+            f"not enough disk space for {expected_bytes / 2**30:.2f} GiB at {output} ({free / 2**30:.2f} GiB free); "
+            "free space or lower --max-samples"
+        )
+    done = prepare_output(output, identity, cfg.overwrite)
+    todo = [(i, s) for i, s in enumerate(samples) if i not in done]
     resumed = f"; resuming, {len(done)} rows already written" if done else ""
     log(
         f"{len(samples)} samples, {tokens} tokens; slots for layers {aux_ids + [shape.num_layers]}; "
         f"about {expected_bytes / 2**20:.1f} MiB of hidden states to write ({free / 2**30:.1f} GiB free){resumed}"
     )
-    if expected_bytes > free:
-        raise ExtractError(
-            f"not enough disk space for {expected_bytes / 2**30:.2f} GiB at {output}; free space or lower --max-samples"
-        )
 
     try:
         written, stats, start_s, extract_s = _capture(cfg, output, aux_ids, shape, samples, todo, done)

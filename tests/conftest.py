@@ -102,3 +102,14 @@ def tiny_tp1_out(tmp_path_factory, tiny_llama, mixed_conversations) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tp2_out(tmp_path_factory, tiny_llama, mixed_conversations) -> Path:
     return extract(tmp_path_factory, tiny_llama, mixed_conversations, "--dtype", "float32", "--tp", "2", *BUDGET)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB filesystem of its own, so filling it up harms nothing else."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

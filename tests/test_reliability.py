@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file, save_file
@@ -110,17 +109,6 @@ def test_verify_finds_every_damage_and_repair_fixes_it(tmp_path, tiny_tp1_out):
     assert hidden_state_path(out, 5).stat().st_mtime_ns == untouched  # only broken rows were redone
     assert read_manifest(out)["resumed_rows"] == read_manifest(out)["num_samples"] - 4
     _assert_same_output(out, tiny_tp1_out)
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 16 MiB filesystem of its own, so filling it up harms nothing else."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def _fill(disk, leave: int):
