@@ -122,6 +122,11 @@ def main():
 )
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (config, tokenizer).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing extraction in --output.")
+@click.option(
+    "--no-disk-check",
+    is_flag=True,
+    help="Start even when the estimated output is larger than the free disk space (e.g. space freed during the run).",
+)
 def extract_command(
     model,
     data,
@@ -137,6 +142,7 @@ def extract_command(
     decoder_path,
     trust_remote_code,
     overwrite,
+    no_disk_check,
 ):
     """Capture EAGLE-3 training hidden states from a model running in vLLM.
 
@@ -164,6 +170,7 @@ def extract_command(
         batch_size=batch_size,
         trust_remote_code=trust_remote_code,
         overwrite=overwrite,
+        check_disk=not no_disk_check,
         decoder_path=decoder_path,
         engine_args=extra,
     )

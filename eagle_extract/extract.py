@@ -42,6 +42,7 @@ class ExtractConfig:
     batch_size: int = 256
     trust_remote_code: bool = False
     overwrite: bool = False
+    check_disk: bool = True
     decoder_path: str | None = None
     engine_args: dict = field(default_factory=dict)
 
@@ -282,10 +283,10 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     todo_tokens = sum(len(s.input_ids) for i, s in enumerate(samples) if i not in already)
     expected_bytes = todo_tokens * num_slots * shape.hidden_size * dtype_bytes(dtype)
     free = shutil.disk_usage(_nearest_existing(output)).free
-    if expected_bytes > free:
+    if expected_bytes > free and cfg.check_disk:
         raise ExtractError(
             f"not enough disk space for {expected_bytes / 2**30:.2f} GiB at {output} ({free / 2**30:.2f} GiB free); "
-            "free space or lower --max-samples"
+            "free space, lower --max-samples, or pass --no-disk-check"
         )
     done = prepare_output(output, identity, cfg.overwrite)
     todo = [(i, s) for i, s in enumerate(samples) if i not in done]

@@ -23,6 +23,7 @@ OPTIONS = [
     "--decoder-path",
     "--trust-remote-code",
     "--overwrite",
+    "--no-disk-check",
 ]
 
 

@@ -111,4 +111,4 @@ def test_not_enough_disk_is_refused_before_the_engine(small_disk, smollm2):
     proc = run_cli("--model", str(smollm2), "--data", DATA, "--output", str(small_disk / "out"), check=False)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
-    assert "not enough disk space for 0.18 GiB" in lines[0] and "free space or lower --max-samples" in lines[0]
+    assert "not enough disk space for 0.18 GiB" in lines[0] and "--no-disk-check" in lines[0]
