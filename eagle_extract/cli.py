@@ -123,6 +123,14 @@ def main():
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (config, tokenizer).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing extraction in --output.")
 @click.option(
+    "--storage-dtype",
+    type=click.Choice(["model", "fp8"]),
+    default="model",
+    show_default=True,
+    help="'model' stores the model dtype; 'fp8' stores speculators' FP8 layout (float8_e4m3fn values and a "
+    "float32 scale per token), half the bytes of bf16.",
+)
+@click.option(
     "--no-disk-check",
     is_flag=True,
     help="Start even when the estimated output is larger than the free disk space (e.g. space freed during the run).",
@@ -142,6 +150,7 @@ def extract_command(
     decoder_path,
     trust_remote_code,
     overwrite,
+    storage_dtype,
     no_disk_check,
 ):
     """Capture EAGLE-3 training hidden states from a model running in vLLM.
@@ -171,6 +180,7 @@ def extract_command(
         trust_remote_code=trust_remote_code,
         overwrite=overwrite,
         check_disk=not no_disk_check,
+        storage_dtype=storage_dtype,
         decoder_path=decoder_path,
         engine_args=extra,
     )

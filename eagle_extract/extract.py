@@ -43,6 +43,7 @@ class ExtractConfig:
     trust_remote_code: bool = False
     overwrite: bool = False
     check_disk: bool = True
+    storage_dtype: str = "model"  # or "fp8": speculators' FP8 layout, half the bytes of bf16
     decoder_path: str | None = None
     engine_args: dict = field(default_factory=dict)
 
@@ -217,7 +218,8 @@ def _capture(cfg: ExtractConfig, output: Path, aux_ids, shape: ModelShape, sampl
         extra=cfg.engine_args,
     )
     start_s = time.perf_counter() - t0
-    installed = llm.collective_rpc("eagle_install", args=(str(output), aux_ids, cfg.decoder_path))
+    fp8 = cfg.storage_dtype == "fp8"
+    installed = llm.collective_rpc("eagle_install", args=(str(output), aux_ids, cfg.decoder_path, fp8))
     writers = [w for w in installed if w["writes"]]
     if len(writers) != 1 or writers[0]["num_layers"] != shape.num_layers:
         raise ExtractError(f"expected one writing rank hooking {shape.num_layers} layers, got {installed}")
@@ -273,6 +275,7 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         "data_sha256": data_sha,
         "aux_layer_ids": aux_ids,
         "dtype": dtype,
+        "storage_dtype": cfg.storage_dtype,
         "seq_length": cfg.seq_length,
         "max_samples": cfg.max_samples,
     }
@@ -281,7 +284,8 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     num_slots = len(aux_ids) + 1
     tokens = sum(len(s.input_ids) for s in samples)
     todo_tokens = sum(len(s.input_ids) for i, s in enumerate(samples) if i not in already)
-    expected_bytes = todo_tokens * num_slots * shape.hidden_size * dtype_bytes(dtype)
+    per_token = num_slots * shape.hidden_size * (1 if cfg.storage_dtype == "fp8" else dtype_bytes(dtype)) + 12
+    expected_bytes = todo_tokens * per_token
     free = shutil.disk_usage(_nearest_existing(output)).free
     if expected_bytes > free and cfg.check_disk:
         raise ExtractError(
@@ -323,6 +327,7 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         "slot_layer_ids": aux_ids + [shape.num_layers],
         "layer_convention": CONVENTION,
         "dtype": dtype,
+        "storage_dtype": "float8_e4m3fn" if cfg.storage_dtype == "fp8" else dtype,
         "hidden_size": shape.hidden_size,
         "num_samples": len(samples),
         "num_tokens": tokens,

@@ -11,9 +11,18 @@ from pathlib import Path
 
 import torch
 
-from .writer import HIDDEN_DIR, MANIFEST, completed_rows, hidden_state_path, read_manifest, token_frequencies
+from .writer import (
+    FP8,
+    HIDDEN_DIR,
+    MANIFEST,
+    SCALES,
+    completed_rows,
+    hidden_state_path,
+    read_manifest,
+    token_frequencies,
+)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float8_e4m3fn": FP8}
 
 
 def check_row(output: Path, index: int, input_ids: torch.Tensor, slots: int, hidden: int, dtype) -> str | None:
@@ -26,6 +35,7 @@ def check_row(output: Path, index: int, input_ids: torch.Tensor, slots: int, hid
     try:
         with safe_open(str(path), "pt") as f:
             hs, tok = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
+            scales = f.get_tensor(SCALES) if dtype == FP8 else None
     except Exception as exc:
         return f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
     expected = (len(input_ids), slots, hidden)
@@ -35,6 +45,10 @@ def check_row(output: Path, index: int, input_ids: torch.Tensor, slots: int, hid
         return f"hidden_states dtype {hs.dtype}, expected {dtype}"
     if tok.dtype != torch.int64 or not torch.equal(tok, input_ids):
         return "token_ids differ from the row's input_ids"
+    if scales is not None:
+        if tuple(scales.shape) != (len(input_ids), 1, 1) or scales.dtype != torch.float32:
+            return f"{SCALES} shape {tuple(scales.shape)} {scales.dtype}, expected ({len(input_ids)}, 1, 1) float32"
+        hs = hs.float() * scales
     if not torch.isfinite(hs).all():
         return "hidden_states hold NaN or Inf"
     return None
@@ -57,7 +71,8 @@ def verify(output: Path, progress: bool = True) -> list[tuple[int | None, str]]:
     problems: list[tuple[int | None, str]] = []
     if len(rows) != manifest["num_samples"]:
         problems.append((None, f"dataset has {len(rows)} rows, manifest says {manifest['num_samples']}"))
-    slots, hidden, dtype = len(manifest["slot_layer_ids"]), manifest["hidden_size"], DTYPES[manifest["dtype"]]
+    stored = manifest.get("storage_dtype", manifest["dtype"])
+    slots, hidden, dtype = len(manifest["slot_layer_ids"]), manifest["hidden_size"], DTYPES[stored]
     ids_all, masks_all = [], []
     for i in tqdm(range(len(rows)), desc="verify", unit="row", disable=not progress):
         row = rows[i]

@@ -35,13 +35,15 @@ class HiddenStateExtension:
             "model_class": type(self.get_model()).__name__,
         }
 
-    def eagle_install(self, output: str, aux_ids: list[int], decoder_path: str | None = None) -> dict:
+    def eagle_install(
+        self, output: str, aux_ids: list[int], decoder_path: str | None = None, fp8: bool = False
+    ) -> dict:
         """Hook the decoder on the one rank per TP group that writes; other ranks stay hook-free."""
         info = self.eagle_describe(decoder_path)
         writes = info["tp_rank"] == 0
         if writes:
             stack = find_decoder(self.get_model(), decoder_path)
-            writer = BackgroundWriter(output)
+            writer = BackgroundWriter(output, fp8=fp8)
             capture = StepCapture(stack, aux_ids, writer.submit)
             capture.install()
             self._eagle = (capture, writer)

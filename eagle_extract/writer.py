@@ -40,14 +40,29 @@ def _disk_full_message(path: Path, nbytes: int) -> str:
     )
 
 
-def write_hidden_states(output: Path, index: int, hidden: torch.Tensor, token_ids: list[int]) -> None:
-    """Write one row's file atomically."""
+FP8 = torch.float8_e4m3fn
+SCALES = "hidden_states_scales"
+
+
+def to_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """speculators' FP8 layout: one float32 scale per token, value = fp8 * scale."""
+    wide = hidden.float()
+    amax = wide.abs().amax(dim=tuple(range(1, wide.dim())), keepdim=True)
+    scale = (amax / torch.finfo(FP8).max).clamp(min=1e-12)
+    return (wide / scale).to(FP8), scale
+
+
+def write_hidden_states(
+    output: Path, index: int, hidden: torch.Tensor, token_ids: list[int], fp8: bool = False
+) -> None:
+    """Write one row's file atomically, in the model dtype or (fp8) quantised with per-token scales."""
     path = hidden_state_path(output, index)
     tmp = path.with_name(f".{path.name}.tmp")
-    tensors = {
-        "hidden_states": hidden.contiguous(),
-        "token_ids": torch.tensor(token_ids, dtype=torch.int64),
-    }
+    tensors = {"token_ids": torch.tensor(token_ids, dtype=torch.int64)}
+    if fp8:
+        tensors["hidden_states"], tensors[SCALES] = to_fp8(hidden)
+    else:
+        tensors["hidden_states"] = hidden.contiguous()
     try:
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
@@ -72,8 +87,9 @@ class BackgroundWriter:
     instead of letting captured tensors pile up in memory.
     """
 
-    def __init__(self, output: Path, threads: int = 2, max_pending: int = 64) -> None:
+    def __init__(self, output: Path, fp8: bool = False, threads: int = 2, max_pending: int = 64) -> None:
         self.output = Path(output)
+        self.fp8 = fp8
         (self.output / HIDDEN_DIR).mkdir(parents=True, exist_ok=True)
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._lock = threading.Lock()
@@ -96,7 +112,7 @@ class BackgroundWriter:
                 if self.errors:  # after a failure keep draining, write nothing more
                     continue
                 try:
-                    write_hidden_states(self.output, index, hidden, token_ids)
+                    write_hidden_states(self.output, index, hidden, token_ids, self.fp8)
                 except Exception as exc:  # reported to the driver by drain()
                     why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                     with self._lock:

@@ -100,6 +100,13 @@ def tiny_tp1_out(tmp_path_factory, tiny_llama, mixed_conversations) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_fp8_out(tmp_path_factory, tiny_llama, mixed_conversations) -> Path:
+    return extract(
+        tmp_path_factory, tiny_llama, mixed_conversations, "--dtype", "float32", "--storage-dtype", "fp8", *BUDGET
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_tp2_out(tmp_path_factory, tiny_llama, mixed_conversations) -> Path:
     return extract(tmp_path_factory, tiny_llama, mixed_conversations, "--dtype", "float32", "--tp", "2", *BUDGET)
 

@@ -24,6 +24,7 @@ OPTIONS = [
     "--trust-remote-code",
     "--overwrite",
     "--no-disk-check",
+    "--storage-dtype",
 ]
 
 
