@@ -1,0 +1,56 @@
+"""scripts/offline_wheels.py: wheels in pieces under a size limit, back together, checked against a lock."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location(
+    "offline_wheels", Path(__file__).parents[1] / "scripts" / "offline_wheels.py"
+)
+offline_wheels = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(offline_wheels)
+
+
+@pytest.fixture
+def wheels(tmp_path):
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    lock = []
+    for name, size in [
+        ("big-1.0-py3-none-any.whl", 2_600_000),
+        ("mid-1.0-py3-none-any.whl", 700_000),
+        ("small-1.0-py3-none-any.whl", 90_000),
+    ]:
+        data = os.urandom(size)
+        (folder / name).write_bytes(data)
+        lock.append(f"{name.split('-')[0]}==1.0 --hash=sha256:{hashlib.sha256(data).hexdigest()}  # {name}")
+    (tmp_path / "lock").write_text("\n".join(lock) + "\n")
+    return folder, tmp_path / "lock"
+
+
+def test_split_respects_the_limit_and_join_restores_every_byte(tmp_path, wheels):
+    folder, lock = wheels
+    made = offline_wheels.split(folder, tmp_path / "pieces", max_mib=1)
+    assert all(sum(p.stat().st_size for p in d.iterdir()) <= 2**20 for d in made)
+    assert len(made) == 4  # the 2.6 MB wheel in 3 pieces; the small wheel fits beside its last piece
+    joined = offline_wheels.join(tmp_path / "pieces", tmp_path / "joined", lock)
+    for path in joined:
+        assert path.read_bytes() == (folder / path.name).read_bytes()
+
+
+def test_missing_or_damaged_piece_is_named(tmp_path, wheels):
+    folder, lock = wheels
+    made = offline_wheels.split(folder, tmp_path / "pieces", max_mib=1)
+    piece = next(p for d in made for p in d.iterdir() if p.name.endswith(".001"))
+    data = piece.read_bytes()
+    piece.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(SystemExit, match="big-1.0-py3-none-any.whl: sha256 differs from the lock"):
+        offline_wheels.join(tmp_path / "pieces", tmp_path / "j1", lock)
+    piece.unlink()
+    with pytest.raises(SystemExit, match=r"big-1.0-py3-none-any.whl: piece\(s\) \[1\] missing"):
+        offline_wheels.join(tmp_path / "pieces", tmp_path / "j2", lock)
