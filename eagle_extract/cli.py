@@ -213,9 +213,10 @@ def _summarise(manifest: dict, model: str, output: Path) -> None:
         f"truncated {manifest['truncated']}, skipped {manifest['skipped']}"
     )
     click.echo(f"output: {Path(output).resolve()}")
-    ids = ",".join(map(str, manifest["aux_layer_ids"]))
+    ids = " ".join(map(str, manifest["aux_layer_ids"]))  # speculators takes a space-separated list
     click.echo(
-        f"train on it: speculators train --verifier-name-or-path {model} --data-path {output} --target-layer-ids {ids}"
+        f"train on it: speculators train --verifier-name-or-path {model} --data-path {output} "
+        f"--speculator-type eagle3 --target-layer-ids {ids}"
     )
 
 
