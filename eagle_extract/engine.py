@@ -31,7 +31,6 @@ def prepare_environment(tp: int, pp: int) -> None:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # fork deadlocks on GPU (FACTS §6)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import torch

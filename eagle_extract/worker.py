@@ -23,10 +23,12 @@ def _tp_rank() -> int:
 class HiddenStateExtension:
     """Per-worker capture state lives in `self._eagle` (vLLM never calls an extension's __init__)."""
 
-    def eagle_describe(self, decoder_path: str | None = None) -> dict:
-        """Report what the hooks would see, without installing them."""
+    def eagle_install(
+        self, output: str, aux_ids: list[int], decoder_path: str | None = None, fp8: bool = False
+    ) -> dict:
+        """Hook the decoder on the one rank per TP group that writes; other ranks stay hook-free."""
         stack = find_decoder(self.get_model(), decoder_path)
-        return {
+        info = {
             "path": stack.path,
             "num_layers": stack.num_layers,
             "start": stack.start,
@@ -34,15 +36,8 @@ class HiddenStateExtension:
             "tp_rank": _tp_rank(),
             "model_class": type(self.get_model()).__name__,
         }
-
-    def eagle_install(
-        self, output: str, aux_ids: list[int], decoder_path: str | None = None, fp8: bool = False
-    ) -> dict:
-        """Hook the decoder on the one rank per TP group that writes; other ranks stay hook-free."""
-        info = self.eagle_describe(decoder_path)
         writes = info["tp_rank"] == 0
         if writes:
-            stack = find_decoder(self.get_model(), decoder_path)
             writer = BackgroundWriter(output, fp8=fp8)
             capture = StepCapture(stack, aux_ids, writer.submit)
             capture.install()

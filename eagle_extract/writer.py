@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import queue
+import re
 import shutil
 import tempfile
 import threading
@@ -144,7 +145,8 @@ def completed_rows(output: Path) -> set[int]:
     folder = Path(output) / HIDDEN_DIR
     if not folder.is_dir():
         return set()
-    return {int(p.name[3:-12]) for p in folder.glob("hs_*.safetensors")}
+    names = (re.fullmatch(r"hs_(\d+)\.safetensors", p.name) for p in folder.iterdir())
+    return {int(m.group(1)) for m in names if m}
 
 
 def token_frequencies(input_ids: list[list[int]], loss_masks: list[list[int]]) -> dict[int, int]:
