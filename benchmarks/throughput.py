@@ -54,6 +54,29 @@ class PeakRSS:
         self._thread.join()
 
 
+def transformers_baseline(args, prompts: list[list[int]], slots: list[int]) -> list[float]:
+    """(c) The approach of the original EAGLE scripts: batched transformers forward passes with
+    output_hidden_states, keeping the same slots on the host. Forward only, no disk: generous to c."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    norm_input = {}
+    model.model.norm.register_forward_pre_hook(lambda m, a: norm_input.__setitem__("x", a[0]))
+    n = model.config.get_text_config().num_hidden_layers
+    rates = []
+    with torch.no_grad():
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            for start in range(0, len(prompts), args.hf_batch):
+                out = model(torch.tensor(prompts[start : start + args.hf_batch]), output_hidden_states=True)
+                kept = [norm_input["x"] if i == n else out.hidden_states[i] for i in slots]
+                torch.stack(kept, dim=2).cpu()
+            rates.append(len(prompts) * args.prompt_len / (time.perf_counter() - t))
+    del model
+    return rates
+
+
 def stats(values: list[float]) -> str:
     return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
@@ -70,6 +93,12 @@ def main() -> None:
     ap.add_argument("--layers", default=None)
     ap.add_argument("--out", type=Path, default=Path("/tmp/eagle-bench"))
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument(
+        "--transformers",
+        action="store_true",
+        help="also time (c): transformers output_hidden_states on the same prompts, before vLLM starts",
+    )
+    ap.add_argument("--hf-batch", type=int, default=8, help="batch size of the transformers baseline")
     args = ap.parse_args()
 
     import torch
@@ -86,6 +115,7 @@ def main() -> None:
         torch.randint(100, text.vocab_size - 100, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)
     ]
     tokens = args.prompts * args.prompt_len
+    hf = transformers_baseline(args, prompts, aux + [text.num_hidden_layers]) if args.transformers else []
     extra = {"skip_tokenizer_init": True}
     if args.dummy:
         extra["load_format"] = "dummy"
@@ -113,6 +143,9 @@ def main() -> None:
             assert not reports[0]["errors"] and len(reports[0]["written"]) == args.prompts, reports[0]["errors"]
             written.append(sum(f.stat().st_size for f in (args.out / "hidden_states").iterdir()))
     ratios = [b / a for a, b in zip(plain, capture)]
+    figures_hf = (
+        {"transformers_tok_s": hf, "b_over_c": statistics.median(capture) / statistics.median(hf)} if hf else {}
+    )
     per_token = written[-1] / tokens
     figures = {
         "model": args.model,
@@ -131,11 +164,15 @@ def main() -> None:
         "write_GBps": statistics.median(capture) * per_token / 1e9,
         "peak_rss_GiB": mem.peak / 2**30,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        **figures_hf,
     }
     print(
         f"\n| run | tokens/s median (min-max) |\n|---|---|\n| a: plain generate(max_tokens=1) | {stats(plain)} |"
         f"\n| b: eagle-extract, files written | {stats(capture)} |"
     )
+    if hf:
+        print(f"| c: transformers output_hidden_states, batch {args.hf_batch}, no disk | {stats(hf)} |")
+        print(f"b/c {figures_hf['b_over_c']:.2f}")
     print(
         f"b/a median {statistics.median(ratios):.3f} (per-rep {', '.join(f'{r:.3f}' for r in ratios)}); "
         f"{per_token:,.0f} B/token; {figures['write_GBps']:.2f} GB/s written; "
