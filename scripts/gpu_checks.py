@@ -31,7 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.common import Reference, compare_with_reference, load_row, rel_err, write_mixed_conversations  # noqa: E402
+from tests.common import Reference, compare_with_reference, copy_tokenizer, load_row, rel_err, write_mixed_conversations  # noqa: E402
 
 BUDGET = ["--max-num-batched-tokens", "128", "--batch-size", "16"]
 MOE_DTYPE = os.environ.get("MOE_DTYPE", "bfloat16")
@@ -173,7 +173,6 @@ SMALL_MOE = dict(
 
 def build_moe(path: Path, layers: int, smollm2_tokenizer: Path, widths: dict) -> Path:
     """A Qwen3-MoE checkpoint with the given widths and `layers` layers, random bf16 weights."""
-    import shutil
 
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -194,9 +193,7 @@ def build_moe(path: Path, layers: int, smollm2_tokenizer: Path, widths: dict) ->
     model.save_pretrained(path)
     del model
     torch.cuda.empty_cache()  # the engines started next need this GPU's memory
-    for f in smollm2_tokenizer.iterdir():
-        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
-            shutil.copy(f, path / f.name)
+    copy_tokenizer(smollm2_tokenizer, path)
     return path
 
 

@@ -9,6 +9,7 @@ is taken after the norm (FACTS §2).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -38,6 +39,13 @@ class Reference:
         hs = out.hidden_states
         cols = [self._norm_input[0] if i == self.num_layers else hs[i][0] for i in layer_ids]
         return torch.stack(cols, dim=1).cpu()
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """Give a random test model a real tokenizer and chat template (SmolLM2's)."""
+    for f in Path(src).iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            shutil.copy(f, Path(dst) / f.name)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

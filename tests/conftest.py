@@ -7,7 +7,6 @@ once per session through the real CLI and its output is shared by the tests.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .common import write_mixed_conversations
+from .common import copy_tokenizer, write_mixed_conversations
 
 
 @pytest.fixture(scope="session")
@@ -53,9 +52,7 @@ def tiny_llama(tmp_path_factory, smollm2) -> Path:
             if p.dim() == 2:
                 p.normal_(0, 0.08)
     model.save_pretrained(path)
-    for f in smollm2.iterdir():
-        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
-            shutil.copy(f, path / f.name)
+    copy_tokenizer(smollm2, path)
     return path
 
 

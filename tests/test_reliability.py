@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import torch
@@ -21,6 +20,11 @@ from eagle_extract.writer import hidden_state_path, read_manifest
 
 from .common import load_row, rel_err
 from .conftest import BUDGET, run_cli
+
+
+def _tiny_args(model, data, out, *extra) -> list[str]:
+    """The arguments of the tiny_tp1_out fixture's run, with another output folder."""
+    return ["--model", str(model), "--data", str(data), "--output", str(out), "--dtype", "float32", *BUDGET, *extra]
 
 
 def _assert_same_output(got, want):
@@ -42,28 +46,9 @@ def test_clean_output_verifies(tiny_tp1_out):
 
 def test_sigkill_then_rerun_equals_uninterrupted_run(tmp_path, tiny_llama, mixed_conversations, tiny_tp1_out):
     out = tmp_path / "killed"
-    args = [
-        "--model",
-        str(tiny_llama),
-        "--data",
-        str(mixed_conversations),
-        "--output",
-        str(out),
-        "--dtype",
-        "float32",
-        *BUDGET,
-        "--batch-size",
-        "1",
-    ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle_extract", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.time() + 240
-    while time.time() < deadline and not list((out / "hidden_states").glob("hs_*.safetensors")):
-        time.sleep(0.02)
+    args = _tiny_args(tiny_llama, mixed_conversations, out, "--batch-size", "1")
+    proc = _start(args, tmp_path / "log")
+    _wait_for(lambda: list((out / "hidden_states").glob("hs_*.safetensors")))
     os.killpg(proc.pid, signal.SIGKILL)  # the driver, its engine core and its workers
     proc.wait()
     done = len(list((out / "hidden_states").glob("hs_*.safetensors")))
@@ -126,28 +111,10 @@ def _fill(disk, leave: int):
 
 def test_full_disk_mid_run_stops_cleanly_and_resumes(small_disk, tiny_llama, mixed_conversations, tiny_tp1_out):
     out = small_disk / "out"
-    args = [
-        "--model",
-        str(tiny_llama),
-        "--data",
-        str(mixed_conversations),
-        "--output",
-        str(out),
-        "--dtype",
-        "float32",
-        *BUDGET,
-    ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle_extract", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    args = _tiny_args(tiny_llama, mixed_conversations, out)
+    proc = _start(args, small_disk.parent / "log")  # the log must not share the full disk
     try:
-        deadline = time.time() + 120
-        while not (out / RUN_FILE).exists() and time.time() < deadline:  # the size check has passed
-            time.sleep(0.05)
+        _wait_for(lambda: (out / RUN_FILE).exists())  # the size check has passed
         ballast = _fill(small_disk, leave=200_000)  # room for a few rows, not for all of them
     finally:
         last = _finish(proc, timeout=300)
@@ -163,46 +130,38 @@ def test_full_disk_mid_run_stops_cleanly_and_resumes(small_disk, tiny_llama, mix
     _assert_same_output(out, tiny_tp1_out)
 
 
-def _start_and_wait_for_rows(args):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle_extract", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    out = Path(args[args.index("--output") + 1])
-    deadline = time.time() + 240
-    while time.time() < deadline and not list((out / "hidden_states").glob("hs_*.safetensors")):
+def _start(args, log):
+    """Start a run in its own process group, its output going to `log` (a pipe could fill and block it)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eagle_extract", *args], stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    proc.log = log
+    return proc
+
+
+def _wait_for(condition, timeout=240):
+    deadline = time.time() + timeout
+    while not condition() and time.time() < deadline:
         time.sleep(0.02)
-    return proc, out
 
 
 def _finish(proc, timeout=120):
+    """Wait for the run to end; return its one-line error (warnings may follow it at exit)."""
     try:
-        _, stderr = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    # the one-line error; Python's resource tracker may print warnings after it at exit
-    return next((line for line in reversed(stderr.splitlines()) if line.startswith("Error:")), stderr[-2000:])
+    text = proc.log.read_text()
+    return next((line for line in reversed(text.splitlines()) if line.startswith("Error:")), text[-2000:])
 
 
 def test_sigterm_leaves_a_resumable_output(tmp_path, tiny_llama, mixed_conversations):
-    args = [
-        "--model",
-        str(tiny_llama),
-        "--data",
-        str(mixed_conversations),
-        "--output",
-        str(tmp_path / "o"),
-        "--dtype",
-        "float32",
-        *BUDGET,
-        "--batch-size",
-        "1",
-    ]
-    proc, out = _start_and_wait_for_rows(args)
+    args = _tiny_args(tiny_llama, mixed_conversations, tmp_path / "o", "--batch-size", "1")
+    out = tmp_path / "o"
+    proc = _start(args, tmp_path / "log")
+    _wait_for(lambda: list((out / "hidden_states").glob("hs_*.safetensors")))
     proc.send_signal(signal.SIGTERM)  # the driver only, as a batch scheduler would
     last = _finish(proc)
     assert proc.returncode == 1 and "interrupted" in last and "rerun the same command to resume" in last, last
@@ -211,24 +170,12 @@ def test_sigterm_leaves_a_resumable_output(tmp_path, tiny_llama, mixed_conversat
 
 
 def test_a_dead_worker_is_reported_not_waited_for(tmp_path, tiny_llama, mixed_conversations):
-    args = [
-        "--model",
-        str(tiny_llama),
-        "--data",
-        str(mixed_conversations),
-        "--output",
-        str(tmp_path / "o"),
-        "--dtype",
-        "float32",
-        *BUDGET,
-        "--batch-size",
-        "1",
-    ]
-    proc, _ = _start_and_wait_for_rows(args)
-    workers = [
-        p for p in psutil.Process(proc.pid).children(recursive=True) if "Worker" in " ".join(p.cmdline() + [p.name()])
-    ]
-    assert workers, [p.name() for p in psutil.Process(proc.pid).children(recursive=True)]
+    args = _tiny_args(tiny_llama, mixed_conversations, tmp_path / "o", "--batch-size", "1")
+    proc = _start(args, tmp_path / "log")
+    _wait_for(lambda: list((tmp_path / "o" / "hidden_states").glob("hs_*.safetensors")))
+    children = psutil.Process(proc.pid).children(recursive=True)
+    workers = [p for p in children if "Worker" in " ".join([p.name(), *p.cmdline()])]
+    assert workers, [p.name() for p in children]
     workers[0].kill()
     last = _finish(proc)
     assert proc.returncode == 1 and "the vLLM engine failed" in last and "resume" in last, last
@@ -241,19 +188,7 @@ def test_two_runs_of_the_same_command_are_identical(tmp_path, tiny_llama, mixed_
     outs = []
     for k in range(2):
         outs.append(tmp_path / f"run{k}")
-        run_cli(
-            "--model",
-            str(tiny_llama),
-            "--data",
-            str(mixed_conversations),
-            "--output",
-            str(outs[-1]),
-            "--dtype",
-            "float32",
-            *BUDGET,
-            "--batch-size",
-            "1",
-        )
+        run_cli(*_tiny_args(tiny_llama, mixed_conversations, outs[-1], "--batch-size", "1"))
     for i in range(read_manifest(outs[0])["num_samples"]):
         a, b = load_row(outs[0], i), load_row(outs[1], i)
         assert torch.equal(a["token_ids"], b["token_ids"])
