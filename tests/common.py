@@ -89,3 +89,89 @@ def write_mixed_conversations(path: Path) -> Path:
         rows.append({"messages": turns})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+class _ToyLayer(torch.nn.Module):
+    """A decoder layer with vLLM's calling convention and its in-place fused add+norm."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, positions, hidden_states, residual):
+        if residual is None:
+            residual = hidden_states.clone()
+        else:
+            residual.add_(hidden_states)  # overwrites the tensor the pre-hook just copied from
+        hidden_states.copy_(torch.nn.functional.rms_norm(residual, residual.shape[-1:]))
+        return torch.tanh(self.proj(hidden_states)), residual
+
+
+def capture_vs_synchronous(device: str, hidden: int = 64, layers: int = 4, steps: int = 6, step_tokens: int = 96):
+    """Run a toy decoder through StepCapture and through plain blocking copies at once.
+
+    Requests of random lengths are packed into flat steps in shuffled order, long ones split
+    across steps.  Returns (rows compared, rows bitwise equal to the synchronous copies).
+    """
+    from eagle_extract.hooks import StepCapture, _layer_inputs, _residual_stream
+    from eagle_extract.model_nav import DecoderStack
+
+    gen = torch.Generator().manual_seed(0)
+    embed = torch.nn.Embedding(1000, hidden).to(device)
+    blocks = torch.nn.ModuleList(_ToyLayer(hidden) for _ in range(layers)).to(device)
+    stack = DecoderStack("toy", blocks, blocks, 0, layers, embed)
+    aux = [0, layers // 2, layers - 1]
+    got: dict[int, torch.Tensor] = {}
+    capture = StepCapture(stack, aux, lambda i, hs, ids: got.__setitem__(i, hs))
+    capture.install()
+    sync: list[list[torch.Tensor]] = []  # per step: one [N, H] host tensor per slot
+
+    def pre(slot):
+        def hook(module, args, kwargs):
+            _, h, r = _layer_inputs(args, kwargs)
+            sync[-1][slot] = _residual_stream(h, r).to("cpu", copy=True)
+
+        return hook
+
+    handles = [blocks[j].register_forward_pre_hook(pre(k), with_kwargs=True) for k, j in enumerate(aux)]
+
+    def last(module, args, kwargs, out):
+        sync[-1][len(aux)] = (out[0] + out[1]).to("cpu", copy=True)
+
+    handles.append(blocks[-1].register_forward_hook(last, with_kwargs=True))
+
+    lengths = torch.randint(5, step_tokens * 2, (steps * 2,), generator=gen).tolist()
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in lengths]
+    capture.expect(list(enumerate(prompts)))
+    queue = [(i, 0) for i in torch.randperm(len(prompts), generator=gen).tolist()]  # (row, next position)
+    where: dict[int, list[tuple[int, int, int]]] = {}  # row -> (step, offset, length) pieces
+    step = 0
+    with torch.no_grad():
+        while queue:
+            ids, pos, room, rest = [], [], step_tokens, []
+            for row, start in queue:
+                take = min(room, len(prompts[row]) - start)
+                if take > 0:
+                    where.setdefault(row, []).append((step, len(ids), take))
+                    ids += prompts[row][start : start + take]
+                    pos += list(range(start, start + take))
+                    room -= take
+                if start + take < len(prompts[row]):
+                    rest.append((row, start + take))
+            queue = rest
+            sync.append([None] * (len(aux) + 1))
+            h = embed(torch.tensor(ids, device=device))
+            p, r = torch.tensor(pos, device=device), None
+            for block in blocks:
+                h, r = block(p, h, r)
+            step += 1
+    report = capture.drain()
+    capture.remove()
+    for handle in handles:
+        handle.remove()
+    equal = 0
+    for row, pieces in where.items():
+        want = torch.cat([torch.stack([s[off : off + n] for s in sync[k]], dim=1) for k, off, n in pieces])
+        equal += int(row in got and torch.equal(got[row], want))
+    assert not report["errors"] and not report["pending"], report
+    return len(where), equal

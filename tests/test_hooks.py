@@ -6,6 +6,8 @@ import torch
 
 from eagle_extract.hooks import RequestMatcher, segments
 
+from .common import capture_vs_synchronous
+
 
 def test_segments_split_on_position_restarts_and_jumps():
     pos = torch.tensor([0, 1, 2, 0, 1, 7, 8, 0])
@@ -42,3 +44,11 @@ def test_pending_lists_unfinished_rows():
     assert m.pending == [0, 1]
     m.finished(req)
     assert m.pending == [1]
+
+
+def test_step_capture_equals_blocking_copies():
+    """The capture path (on a GPU: side stream into pinned memory) against plain `.cpu()` copies,
+    with layers that overwrite their inputs in place as vLLM's fused add+norm does.
+    scripts/gpu_checks.py runs the same check on CUDA."""
+    rows, equal = capture_vs_synchronous("cpu")
+    assert rows == 12 and equal == rows
