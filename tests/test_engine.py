@@ -16,4 +16,3 @@ def test_float32_asks_triton_for_ieee_float32_unless_set(monkeypatch):
     monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32")
     prepare_environment(1, 1, "float32")
     assert os.environ["TRITON_F32_DEFAULT"] == "tf32"
-
