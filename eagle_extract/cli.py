@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from .data import DataError
 from .extract import ExtractConfig, ExtractError, run
+from .formats import FORMATS, DataError
 from .layers import LayerError
 
 BUNDLED_MODEL = "smollm2"
@@ -60,9 +60,18 @@ def main():
     "--data",
     type=click.Path(path_type=Path),
     default=None,
-    help="JSON or JSONL conversations: OpenAI 'messages' or ShareGPT 'conversations' rows. "
+    help="JSON or JSONL file, or a dataset folder (datasets' save_to_disk, speculators' prepare-data): "
+    "conversations, Alpaca, token or text rows (docs/data.md). "
     "[default: the bundled 500 ShareGPT sample conversations]",
 )
+@click.option(
+    "--data-format",
+    type=click.Choice(FORMATS),
+    default="auto",
+    show_default=True,
+    help="Row format; 'auto' detects it per row.",
+)
+@click.option("--strict", is_flag=True, help="Stop at the first bad row, naming it, instead of skipping it.")
 @click.option(
     "--output",
     type=click.Path(path_type=Path),
@@ -84,8 +93,27 @@ def main():
     type=int,
     default=2048,
     show_default=True,
-    help="Longer samples are truncated to this many tokens; the count is reported.",
+    help="Longest sample in tokens; see --long-samples.",
 )
+@click.option(
+    "--long-samples",
+    type=click.Choice(["truncate", "skip"]),
+    default="truncate",
+    show_default=True,
+    help="What to do with samples longer than --seq-length; counts are reported.",
+)
+@click.option(
+    "--regenerate",
+    is_flag=True,
+    help="Let the model write every assistant turn itself, turn by turn, before extraction "
+    "(questions-only data becomes training data); saved as regenerated.jsonl in --output.",
+)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="--regenerate sampling; 0 is greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="--regenerate sampling.")
+@click.option(
+    "--max-new-tokens", type=int, default=1024, show_default=True, help="--regenerate: longest answer in tokens."
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="--regenerate sampling seed (plus row number).")
 @click.option(
     "--dtype",
     type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
@@ -152,6 +180,14 @@ def extract_command(
     overwrite,
     storage_dtype,
     no_disk_check,
+    data_format,
+    strict,
+    long_samples,
+    regenerate,
+    temperature,
+    top_p,
+    max_new_tokens,
+    seed,
 ):
     """Capture EAGLE-3 training hidden states from a model running in vLLM.
 
@@ -183,6 +219,14 @@ def extract_command(
         storage_dtype=storage_dtype,
         decoder_path=decoder_path,
         engine_args=extra,
+        data_format=data_format,
+        strict=strict,
+        long_samples=long_samples,
+        regenerate=regenerate,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
     )
     _summarise(_run_or_fail(run, cfg), model, output)
 
@@ -210,8 +254,11 @@ def _summarise(manifest: dict, model: str, output: Path) -> None:
         f"done: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
         f"{manifest['bytes_written'] / 2**20:.1f} MiB in {t['extract_s']:.1f} s "
         f"({t['tokens_per_s']:,.0f} tokens/s; engine start {t['engine_start_s']:.1f} s); "
-        f"truncated {manifest['truncated']}, skipped {manifest['skipped']}"
+        f"truncated {manifest['truncated']}, skipped {manifest['skipped']} "
+        f"({manifest['skipped_long']} over --seq-length)"
     )
+    if manifest["skipped"]:
+        click.echo(f"skipped rows and why: {Path(output) / 'skipped_rows.jsonl'}")
     click.echo(f"output: {Path(output).resolve()}")
     ids = " ".join(map(str, manifest["aux_layer_ids"]))  # speculators takes a space-separated list
     click.echo(

@@ -1,42 +1,31 @@
-"""Conversation rows in, (input_ids, loss_mask) out, for any chat template.
+"""Records in, (input_ids, loss_mask) out, for any chat template.
 
-Assistant spans are found by rendering the conversation turn by turn and comparing
-the rendered prefixes, never with template-specific patterns: the characters that
-rendering `messages[:k+1]` adds after `messages[:k]` plus the generation prompt are the
-assistant's turn.  Tokens overlapping those characters get loss_mask 1.
+Assistant spans are found by rendering, never with template-specific patterns.  Where the
+template marks them itself (`{% generation %}`), its own marks are used.  Otherwise, for each
+assistant turn k: it starts where the rendering of `messages[:k]` plus the generation prompt
+stops agreeing with the full rendering, and it ends where a marker appended to its content
+appears in the full rendering, plus the end-of-turn text the template puts after a final
+assistant turn (such as `<|im_end|>`).  Templates that rewrite earlier turns (Qwen3 drops the
+thinking of turns before the last question) are handled: only the full rendering is trained on.
+Tokens overlapping a span get loss_mask 1.
 """
 
 from __future__ import annotations
 
-import json
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
-SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-    "chatgpt": "assistant",
-    "bing": "assistant",
-    "bard": "assistant",
-}
-ROLES = {"system", "user", "assistant", "tool"}
+from .formats import BadRow, DataError, Record, read_rows, to_record
 
-
-class BadRow(ValueError):
-    """A row that cannot become a training sample; the message says why."""
-
-
-class DataError(ValueError):
-    """The data file as a whole is unusable."""
+_END = "\u2063EAGLE-EXTRACT-END\u2063"  # appended to one turn's content to find where it ends in the rendering
+_GENERATION_MARK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 @dataclass
 class Sample:
-    row: int  # position of the row in the data file
+    row: int  # position of the row in the data source
     input_ids: list[int]
     loss_mask: list[int]
     truncated: bool = False
@@ -46,78 +35,17 @@ class Sample:
 class LoadReport:
     rows: int = 0
     truncated: int = 0
+    skipped_long: int = 0
     skipped: list[tuple[int, str]] = field(default_factory=list)
-
-
-def read_rows(path: Path) -> Iterator[tuple[int, object]]:
-    """Yield (row number, parsed row) from a JSON list or a JSONL file; bad JSON lines yield BadRow."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data file not found: {path}; pass an existing .json or .jsonl file to --data")
-    try:
-        with path.open("rb") as f:
-            f.read(1 << 20).decode("utf-8")
-    except UnicodeDecodeError:
-        raise DataError(f"{path} is not UTF-8 text; --data takes JSON or JSONL conversations") from None
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        head = f.read(1)
-        while head and head.isspace():
-            head = f.read(1)
-        f.seek(0)
-        if head == "[":
-            try:
-                rows = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path} is not valid JSON ({exc}); fix the file or convert it to JSONL") from None
-            yield from enumerate(rows)
-            return
-        for number, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield number, BadRow(f"malformed JSON line ({exc.msg} at column {exc.colno})")
-
-
-def to_messages(row: object) -> list[dict]:
-    """OpenAI `messages` or ShareGPT `conversations` → [{"role", "content"}, ...]."""
-    if isinstance(row, BadRow):
-        raise row
-    if not isinstance(row, dict):
-        raise BadRow(f"row is a {type(row).__name__}, expected an object with 'messages' or 'conversations'")
-    if "messages" in row:
-        turns = row["messages"]
-        messages = []
-        for turn in turns if isinstance(turns, list) else []:
-            if not isinstance(turn, dict) or "role" not in turn:
-                raise BadRow("a message lacks 'role'")
-            messages.append({k: v for k, v in turn.items() if v is not None})
-    elif "conversations" in row:
-        turns = row["conversations"]
-        messages = []
-        for turn in turns if isinstance(turns, list) else []:
-            if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
-                raise BadRow("a ShareGPT turn lacks 'from' or 'value'")
-            role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
-            if role is None:
-                raise BadRow(f"unknown ShareGPT speaker '{turn['from']}'")
-            messages.append({"role": role, "content": turn["value"]})
-    else:
-        raise BadRow(f"row has neither 'messages' nor 'conversations' (keys: {', '.join(sorted(row))})")
-    for m in messages:
-        if m["role"] not in ROLES:
-            raise BadRow(f"unknown role '{m['role']}'")
-        if not isinstance(m.get("content"), str) or not m["content"].strip():
-            if not m.get("tool_calls"):
-                raise BadRow(f"empty {m['role']} message")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise BadRow("no assistant turn")
-    return messages
 
 
 def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
@@ -127,19 +55,34 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:k], True)
-        after = _render(tokenizer, messages[: k + 1], False)
-        if not (after.startswith(before) and full.startswith(after)):
-            raise BadRow(
-                f"chat template does not render turn {k} as a prefix of the conversation; "
-                "this template rewrites earlier turns"
-            )
-        end = len(before) + len(after[len(before) :].rstrip())  # template glue after end-of-turn stays 0
-        spans.append((len(before), end))
+        start = _common_prefix(_render(tokenizer, messages[:k], True), full)
+        if start < len(_render(tokenizer, messages[:k], False).rstrip()):
+            raise BadRow(f"chat template renders the turns before turn {k} differently once turn {k} follows")
+        marked = {**message, "content": (message.get("content") or "") + _END}
+        alone = _render(tokenizer, messages[:k] + [marked], False)
+        within = _render(tokenizer, messages[:k] + [marked] + messages[k + 1 :], False)
+        if _END not in within or _END not in alone:
+            raise BadRow(f"chat template does not render the content of assistant turn {k}")
+        end = within.index(_END)
+        if within[:end] != full[:end] or end < start:
+            raise BadRow(f"chat template renders assistant turn {k} in a way its span cannot be found")
+        glue = alone[alone.index(_END) + len(_END) :].rstrip()  # end-of-turn text, e.g. <|im_end|>
+        if glue and full.startswith(glue, end):
+            end += len(glue)
+        spans.append((start, end))
     return full, spans
 
 
+def _template_marks(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, add_special_tokens=False
+    )
+    return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
+
+
 def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    if _GENERATION_MARK.search(tokenizer.chat_template or ""):
+        return _template_marks(tokenizer, messages)
     text, spans = assistant_char_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [0] * len(enc["input_ids"])
@@ -149,33 +92,79 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], l
     return list(enc["input_ids"]), mask
 
 
-def load_samples(
-    path: Path, tokenizer, seq_length: int, max_samples: int | None = None
-) -> tuple[list[Sample], LoadReport]:
-    """Tokenize every usable row; bad rows are skipped and listed in the report."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError("the model's tokenizer has no chat template; use a chat model or add a template")
-    samples, report = [], LoadReport()
+def tokenize_record(tokenizer, record: Record) -> tuple[list[int], list[int]]:
+    if record.input_ids is not None:
+        if max(record.input_ids) >= len(tokenizer):
+            raise BadRow(f"token id {max(record.input_ids)} is outside the model's vocabulary of {len(tokenizer)}")
+        return record.input_ids, record.loss_mask
+    if record.text is not None:
+        ids = tokenizer(record.text)["input_ids"]
+        return ids, [1] * len(ids)
+    return tokenize_conversation(tokenizer, record.messages)
+
+
+def row_name(source, number: int) -> str:
+    """How a user finds row `number` of `source`: a line for JSONL files, an index otherwise."""
+    source = os.fspath(source)
+    return f"{source} line {number + 1}" if source.endswith(".jsonl") else f"{source} row {number}"
+
+
+def read_records(path: Path, data_format: str = "auto", strict: bool = False, need_assistant: bool = True):
+    """Yield (record or None, row number, reason): bad rows come back with a reason, or stop the
+    run with their row number under `strict`."""
     for number, row in read_rows(path):
+        try:
+            yield to_record(number, row, data_format, need_assistant), number, None
+        except BadRow as exc:
+            if strict:
+                raise DataError(f"{row_name(path, number)}: {exc}; fix the row or run without --strict") from None
+            yield None, number, str(exc)
+
+
+def make_samples(
+    records,
+    tokenizer,
+    seq_length: int,
+    max_samples: int | None = None,
+    long_samples: str = "truncate",
+    strict: bool = False,
+    source: str = "--data",
+) -> tuple[list[Sample], LoadReport]:
+    """Tokenize (record, row number, reason) triples; bad and (with long_samples='skip')
+    over-long rows are skipped and listed in the report with their reason."""
+    samples, report = [], LoadReport()
+    for record, number, reason in records:
         if max_samples is not None and len(samples) >= max_samples:
             break
         report.rows += 1
         try:
-            ids, mask = tokenize_conversation(tokenizer, to_messages(row))
+            if record is None:
+                raise BadRow(reason)
+            if record.messages is not None and not getattr(tokenizer, "chat_template", None):
+                raise DataError("the model's tokenizer has no chat template; use a chat model or pre-tokenized rows")
+            ids, mask = tokenize_record(tokenizer, record)
+            if len(ids) > seq_length and long_samples == "skip":
+                report.skipped_long += 1
+                raise BadRow(f"{len(ids)} tokens, longer than --seq-length {seq_length}")
+            truncated = len(ids) > seq_length
+            ids, mask = ids[:seq_length], mask[:seq_length]
+            if not any(mask):
+                raise BadRow(f"no trained (assistant) token within the first {seq_length} tokens")
         except BadRow as exc:
+            if strict and not str(exc).endswith(f"--seq-length {seq_length}"):
+                raise DataError(f"{row_name(source, number)}: {exc}; fix the row or run without --strict") from None
             report.skipped.append((number, str(exc)))
-            continue
-        truncated = len(ids) > seq_length
-        ids, mask = ids[:seq_length], mask[:seq_length]
-        if not any(mask):
-            report.skipped.append((number, f"no assistant token within the first {seq_length} tokens"))
             continue
         report.truncated += truncated
         samples.append(Sample(number, ids, mask, truncated))
     if not samples:
         reasons = "; ".join(f"row {n}: {why}" for n, why in report.skipped[:3])
-        raise DataError(
-            f"no usable rows in {path} ({reasons or 'file is empty'}); "
-            "--data needs rows with OpenAI 'messages' or ShareGPT 'conversations'"
-        )
+        raise DataError(f"no usable rows in {source} ({reasons or 'it is empty'}); see docs/data.md for the formats")
     return samples, report
+
+
+def load_samples(path: Path, tokenizer, seq_length: int, max_samples: int | None = None, **options):
+    """Read, check and tokenize a data source in one go (see make_samples for the options)."""
+    strict = options.get("strict", False)
+    records = read_records(path, options.pop("data_format", "auto"), strict)
+    return make_samples(records, tokenizer, seq_length, max_samples, source=os.fspath(path), **options)

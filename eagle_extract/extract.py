@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import __version__
-from .data import LoadReport, load_samples
+from . import regenerate as regen
+from .data import LoadReport, make_samples, read_records
 from .layers import CONVENTION, parse_layer_ids
 from .writer import (
     HIDDEN_DIR,
@@ -46,6 +47,14 @@ class ExtractConfig:
     storage_dtype: str = "model"  # or "fp8": speculators' FP8 layout, half the bytes of bf16
     decoder_path: str | None = None
     engine_args: dict = field(default_factory=dict)
+    data_format: str = "auto"
+    strict: bool = False
+    long_samples: str = "truncate"  # or "skip"
+    regenerate: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 1024
+    seed: int = 0
 
 
 @dataclass
@@ -163,10 +172,14 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def _sha256(path: Path) -> str:
+    """Of a file, or of every file in a folder (names and contents), for the resume check."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        h.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
     return h.hexdigest()
 
 
@@ -200,24 +213,25 @@ def _drain(llm, wait: bool) -> dict:
     }
 
 
-def _capture(cfg: ExtractConfig, output: Path, aux_ids, shape: ModelShape, samples, todo, done):
-    """Start the engine, stream the rows still to do through it; returns (rows written, capture
-    stats, engine start seconds, extraction seconds)."""
-    from tqdm import tqdm
-    from vllm import SamplingParams, TokensPrompt
-
+def _start(cfg: ExtractConfig, max_model_len: int):
     from .engine import start_engine
 
-    t0 = time.perf_counter()
-    llm = start_engine(
+    return start_engine(
         cfg.model,
         tp=cfg.tp,
         dtype=cfg.dtype,
         trust_remote_code=cfg.trust_remote_code,
-        max_model_len=max(len(s.input_ids) for s in samples) + 1,  # room for the one sampled token
+        max_model_len=max_model_len,
         extra=cfg.engine_args,
     )
-    start_s = time.perf_counter() - t0
+
+
+def _capture(llm, cfg: ExtractConfig, output: Path, aux_ids, shape: ModelShape, samples, todo, done):
+    """Stream the rows still to do through the engine; returns (rows written, capture stats,
+    extraction seconds)."""
+    from tqdm import tqdm
+    from vllm import SamplingParams, TokensPrompt
+
     fp8 = cfg.storage_dtype == "fp8"
     installed = llm.collective_rpc("eagle_install", args=(str(output), aux_ids, cfg.decoder_path, fp8))
     writers = [w for w in installed if w["writes"]]
@@ -240,7 +254,52 @@ def _capture(cfg: ExtractConfig, output: Path, aux_ids, shape: ModelShape, sampl
     written.update(got["written"])
     extract_s = time.perf_counter() - t1
     llm.collective_rpc("eagle_remove")
-    return written, got["stats"], start_s, extract_s
+    return written, got["stats"], extract_s
+
+
+def _engine_failed(exc: Exception) -> ExtractError:
+    """The engine or a worker died: one line, and every completed row is kept."""
+    first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    return ExtractError(
+        f"the vLLM engine failed ({type(exc).__name__}: {first[:200]}); "
+        "every completed row is kept: fix the cause and rerun the same command to resume"
+    )
+
+
+def _check_disk(cfg: ExtractConfig, output: Path, todo_tokens: int, per_token: int) -> tuple[int, int]:
+    expected = todo_tokens * per_token
+    free = shutil.disk_usage(_nearest_existing(output)).free
+    if expected > free and cfg.check_disk:
+        raise ExtractError(
+            f"not enough disk space for {expected / 2**30:.2f} GiB at {output} ({free / 2**30:.2f} GiB free); "
+            "free space, lower --max-samples, or pass --no-disk-check"
+        )
+    return expected, free
+
+
+def _regenerated_records(llm, cfg: ExtractConfig, output: Path, tokenizer, records: list, log) -> tuple[list, dict]:
+    """The model's own answers: loaded when an interrupted run already made them, else generated."""
+    saved = regen.load(output, records)
+    if saved is not None:
+        log(f"using the {regen.REGENERATED} an interrupted run already wrote")
+        return saved, {"reused": True}
+    out, stats = regen.regenerate(
+        llm,
+        tokenizer,
+        records,
+        seq_length=cfg.seq_length,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_new_tokens=cfg.max_new_tokens,
+        seed=cfg.seed,
+    )
+    regen.save(output, out)
+    log(
+        f"regenerated {stats.answers} answers in {stats.conversations} conversations "
+        f"({stats.hit_max_new_tokens} stopped at --max-new-tokens, {stats.cut_at_seq_length} cut at --seq-length, "
+        f"{stats.kept_as_is} rows kept as they were); saved to {output / regen.REGENERATED}"
+    )
+    return out, asdict(stats)
 
 
 def run(cfg: ExtractConfig, log=print) -> dict:
@@ -260,39 +319,61 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         raise ExtractError("--seq-length must be at least 2")
     check_output_writable(Path(cfg.output))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    samples, report = load_samples(cfg.data, tokenizer, cfg.seq_length, cfg.max_samples)
-    longest = max(len(s.input_ids) for s in samples)
-    if shape.context and longest >= shape.context:
-        raise ExtractError(
-            f"a sample of {longest} tokens does not fit the model's context of {shape.context}; "
-            f"pass --seq-length {shape.context - 1} or less to truncate it"
-        )
+    triples = list(read_records(cfg.data, cfg.data_format, cfg.strict, need_assistant=not cfg.regenerate))
     output = Path(cfg.output)
-    dtype = shape.dtype if cfg.dtype == "auto" else cfg.dtype
-    data_sha = _sha256(Path(cfg.data))
     identity = {
         "model": str(Path(cfg.model).resolve()),
-        "data_sha256": data_sha,
+        "data_sha256": _sha256(Path(cfg.data)),
+        "data_format": cfg.data_format,
         "aux_layer_ids": aux_ids,
-        "dtype": dtype,
+        "dtype": shape.dtype if cfg.dtype == "auto" else cfg.dtype,
         "storage_dtype": cfg.storage_dtype,
         "seq_length": cfg.seq_length,
+        "long_samples": cfg.long_samples,
         "max_samples": cfg.max_samples,
+        "regenerate": [cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed] if cfg.regenerate else None,
     }
-    # Size check before anything is created: rows a resumable run already wrote need no room.
-    already = set() if cfg.overwrite else completed_rows(output)
+    dtype = identity["dtype"]
     num_slots = len(aux_ids) + 1
-    tokens = sum(len(s.input_ids) for s in samples)
-    todo_tokens = sum(len(s.input_ids) for i, s in enumerate(samples) if i not in already)
     per_token = num_slots * shape.hidden_size * (1 if cfg.storage_dtype == "fp8" else dtype_bytes(dtype)) + 12
-    expected_bytes = todo_tokens * per_token
-    free = shutil.disk_usage(_nearest_existing(output)).free
-    if expected_bytes > free and cfg.check_disk:
-        raise ExtractError(
-            f"not enough disk space for {expected_bytes / 2**30:.2f} GiB at {output} ({free / 2**30:.2f} GiB free); "
-            "free space, lower --max-samples, or pass --no-disk-check"
-        )
-    done = prepare_output(output, identity, cfg.overwrite)
+    sample_options = dict(long_samples=cfg.long_samples, strict=cfg.strict, source=str(cfg.data))
+    llm, start_s, regenerated = None, 0.0, None
+    if cfg.regenerate:
+        if shape.context and cfg.seq_length >= shape.context:
+            raise ExtractError(
+                f"--seq-length {cfg.seq_length} does not fit the model's context of {shape.context}; "
+                f"pass --seq-length {shape.context - 1} or less"
+            )
+        done = prepare_output(output, identity, cfg.overwrite)
+        t0 = time.perf_counter()
+        try:
+            llm = _start(cfg, cfg.seq_length + 1)
+            start_s = time.perf_counter() - t0
+            usable = [r for r, _, _ in triples if r is not None][: cfg.max_samples]
+            records, regenerated = _regenerated_records(llm, cfg, output, tokenizer, usable, log)
+        except ExtractError:
+            raise
+        except Exception as exc:
+            raise _engine_failed(exc) from None
+        bad = [(None, n, why) for r, n, why in triples if r is None]
+        triples = sorted([(r, r.row, None) for r in records] + bad, key=lambda t: t[1])
+        samples, report = make_samples(triples, tokenizer, cfg.seq_length, cfg.max_samples, **sample_options)
+        todo_tokens = sum(len(s.input_ids) for i, s in enumerate(samples) if i not in done)
+        expected_bytes, free = _check_disk(cfg, output, todo_tokens, per_token)
+    else:
+        samples, report = make_samples(triples, tokenizer, cfg.seq_length, cfg.max_samples, **sample_options)
+        longest = max(len(s.input_ids) for s in samples)
+        if shape.context and longest >= shape.context:
+            raise ExtractError(
+                f"a sample of {longest} tokens does not fit the model's context of {shape.context}; "
+                f"pass --seq-length {shape.context - 1} or less to truncate it"
+            )
+        # Size check before anything is created: rows a resumable run already wrote need no room.
+        already = set() if cfg.overwrite else completed_rows(output)
+        todo_tokens = sum(len(s.input_ids) for i, s in enumerate(samples) if i not in already)
+        expected_bytes, free = _check_disk(cfg, output, todo_tokens, per_token)
+        done = prepare_output(output, identity, cfg.overwrite)
+    tokens = sum(len(s.input_ids) for s in samples)
     todo = [(i, s) for i, s in enumerate(samples) if i not in done]
     resumed = f"; resuming, {len(done)} rows already written" if done else ""
     log(
@@ -301,15 +382,15 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     )
 
     try:
-        written, stats, start_s, extract_s = _capture(cfg, output, aux_ids, shape, samples, todo, done)
+        if llm is None:
+            t0 = time.perf_counter()
+            llm = _start(cfg, max(len(s.input_ids) for s in samples) + 1)  # room for the one sampled token
+            start_s = time.perf_counter() - t0
+        written, stats, extract_s = _capture(llm, cfg, output, aux_ids, shape, samples, todo, done)
     except ExtractError:
         raise
-    except Exception as exc:  # the engine or a worker died: say so in one line, keep what is written
-        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise ExtractError(
-            f"the vLLM engine failed ({type(exc).__name__}: {first[:200]}); "
-            "every completed row is kept: fix the cause and rerun the same command to resume"
-        ) from None
+    except Exception as exc:
+        raise _engine_failed(exc) from None
     missing = sorted(set(range(len(samples))) - written)
     if missing:
         raise ExtractError(
@@ -335,8 +416,10 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         "seq_length": cfg.seq_length,
         "truncated": report.truncated,
         "skipped": len(report.skipped),
+        "skipped_long": report.skipped_long,
+        "regenerated": regenerated,
         "source_rows": [s.row for s in samples],
-        "data": {"path": str(cfg.data), "sha256": data_sha},
+        "data": {"path": str(cfg.data), "sha256": identity["data_sha256"], "format": cfg.data_format},
         "tensor_parallel_size": cfg.tp,
         "engine_args": cfg.engine_args,
         "resumed_rows": len(done),

@@ -7,13 +7,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from eagle_extract.data import (
-    BadRow,
-    DataError,
-    load_samples,
-    to_messages,
-    tokenize_conversation,
-)
+from eagle_extract.data import load_samples, tokenize_conversation
+from eagle_extract.formats import BadRow, DataError, to_record
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +80,9 @@ def test_sharegpt_and_messages_agree(tokenizer):
             {"role": "assistant", "content": "4"},
         ]
     }
-    assert tokenize_conversation(tokenizer, to_messages(share)) == tokenize_conversation(tokenizer, to_messages(openai))
+    assert tokenize_conversation(tokenizer, to_record(0, share).messages) == tokenize_conversation(
+        tokenizer, to_record(0, openai).messages
+    )
 
 
 @pytest.mark.parametrize(
@@ -95,13 +92,17 @@ def test_sharegpt_and_messages_agree(tokenizer):
         ({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "unknown role"),
         ({"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": "x"}]}, "empty user message"),
         ({"conversations": [{"from": "alien", "value": "hi"}]}, "unknown ShareGPT speaker"),
-        ({"text": "hello"}, "neither 'messages' nor 'conversations'"),
+        ({"prompt": "hello"}, "matches no known format"),
         ([1, 2], "expected an object"),
+        ({"input_ids": [1, -2]}, "non-negative integers"),
+        ({"input_ids": [1, 2], "loss_mask": [1]}, "2 zeros and ones"),
+        ({"text": "  "}, "empty 'text'"),
+        ({"turns": "what?"}, "not a non-empty list"),
     ],
 )
 def test_bad_rows_name_the_problem(row, reason):
     with pytest.raises(BadRow, match=reason):
-        to_messages(row)
+        to_record(0, row)
 
 
 def test_bad_rows_are_skipped_and_counted(tmp_path, tokenizer):
@@ -116,20 +117,27 @@ def test_bad_rows_are_skipped_and_counted(tmp_path, tokenizer):
     path.write_text("\n".join(lines) + "\n")
     samples, report = load_samples(path, tokenizer, seq_length=512)
     assert [s.row for s in samples] == [0, 3]
-    assert [(n, why.split(" (")[0]) for n, why in report.skipped] == [
+    assert [(n, why.split(" (")[0].split(";")[0]) for n, why in report.skipped] == [
         (1, "malformed JSON line"),
         (2, "no assistant turn"),
     ]
+    with pytest.raises(DataError, match=r"rows.jsonl line 2: malformed JSON line .*run without --strict$"):
+        load_samples(path, tokenizer, seq_length=512, strict=True)
 
 
 def test_truncation_keeps_prefix_and_counts(tmp_path, tokenizer):
     row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "word " * 200}]}
     path = tmp_path / "long.json"
     path.write_text(json.dumps([row]))
-    full_ids, full_mask = tokenize_conversation(tokenizer, to_messages(row))
+    full_ids, full_mask = tokenize_conversation(tokenizer, to_record(0, row).messages)
     samples, report = load_samples(path, tokenizer, seq_length=64)
     assert report.truncated == 1 and samples[0].truncated
     assert samples[0].input_ids == full_ids[:64] and samples[0].loss_mask == full_mask[:64]
+    short = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    path.write_text(json.dumps([row, short]))
+    samples, report = load_samples(path, tokenizer, seq_length=64, long_samples="skip")
+    assert [s.row for s in samples] == [1] and report.truncated == 0 and report.skipped_long == 1
+    assert report.skipped[0][0] == 0 and "longer than --seq-length 64" in report.skipped[0][1]
 
 
 def test_unusable_file_is_one_clear_error(tmp_path, tokenizer):
@@ -139,3 +147,5 @@ def test_unusable_file_is_one_clear_error(tmp_path, tokenizer):
     bad.write_text("[{")
     with pytest.raises(DataError, match="not valid JSON"):
         load_samples(bad, tokenizer, 512)
+    with pytest.raises(DataError, match="not a saved dataset"):
+        load_samples(tmp_path, tokenizer, 512)

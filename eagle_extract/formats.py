@@ -1,0 +1,212 @@
+"""Dataset rows in, one of three record kinds out: a conversation, token ids, or plain text.
+
+Sources: a JSON list or JSONL file, or a folder written by `datasets.save_to_disk` (which is
+also what speculators' `prepare-data` writes).  Row formats, detected per row unless forced:
+
+    messages   {"messages": [{"role", "content", "reasoning_content"?, "tool_calls"?}, ...]}
+    sharegpt   {"conversations": [{"from", "value"}, ...]}  (role/content turns accepted too)
+    alpaca     {"instruction", "input"?, "output", "system"?}
+    tokens     {"input_ids": [...], "loss_mask"?: [...]}    (loss on every token if no mask)
+    text       {"text": "..."}                               (loss on every token)
+    questions  {"turns": ["question", ...]}                  (user turns only: needs --regenerate)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+FORMATS = ("auto", "messages", "sharegpt", "alpaca", "tokens", "text", "questions")
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "tool": "tool",
+}
+ROLES = {"system", "user", "assistant", "tool"}
+_KEYS = {  # the key that marks each format, in detection order
+    "messages": "messages",
+    "sharegpt": "conversations",
+    "alpaca": "instruction",
+    "tokens": "input_ids",
+    "text": "text",
+    "questions": "turns",
+}
+
+
+class BadRow(ValueError):
+    """A row that cannot become a training sample; the message says why."""
+
+
+class DataError(ValueError):
+    """The data source as a whole is unusable."""
+
+
+@dataclass
+class Record:
+    """One usable row: exactly one of messages, input_ids or text is set."""
+
+    row: int
+    messages: list[dict] | None = None
+    input_ids: list[int] | None = None
+    loss_mask: list[int] | None = None
+    text: str | None = None
+
+
+def is_dataset_folder(path: Path) -> bool:
+    return path.is_dir() and any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+def _dataset_rows(path: Path) -> Iterator[tuple[int, object]]:
+    from datasets import DatasetDict, load_from_disk
+
+    ds = load_from_disk(str(path))
+    if isinstance(ds, DatasetDict):
+        if "train" not in ds and len(ds) != 1:
+            raise DataError(f"{path} holds splits {', '.join(ds)}; pass the folder of one split to --data")
+        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    ds = ds.with_format(None)  # prepare-data saves torch-formatted columns; rows here are plain lists
+    for i in range(len(ds)):
+        yield i, ds[i]
+
+
+def _file_rows(path: Path) -> Iterator[tuple[int, object]]:
+    try:
+        with path.open("rb") as f:
+            f.read(1 << 20).decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"{path} is not UTF-8 text; --data takes JSON, JSONL or a saved dataset folder") from None
+    with path.open("r", encoding="utf-8", errors="replace") as f:
+        head = f.read(1)
+        while head and head.isspace():
+            head = f.read(1)
+        f.seek(0)
+        if head == "[":
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path} is not valid JSON ({exc}); fix the file or convert it to JSONL") from None
+            yield from enumerate(rows)
+            return
+        for number, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield number, BadRow(f"malformed JSON line ({exc.msg} at column {exc.colno})")
+
+
+def read_rows(path: Path) -> Iterator[tuple[int, object]]:
+    """Yield (row number, parsed row); for JSONL the number is the 0-based line number.
+    A line that is not JSON yields a BadRow in place of the row."""
+    path = Path(path)
+    if is_dataset_folder(path):
+        return _dataset_rows(path)
+    if path.is_dir():
+        raise DataError(
+            f"--data {path} is a folder but not a saved dataset (no dataset_info.json); "
+            "pass a .json/.jsonl file or a folder written by datasets' save_to_disk"
+        )
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}; pass an existing .json or .jsonl file to --data")
+    return _file_rows(path)
+
+
+def row_format(row: object, forced: str = "auto") -> str:
+    if isinstance(row, BadRow):
+        raise row
+    if not isinstance(row, dict):
+        raise BadRow(f"row is a {type(row).__name__}, expected an object")
+    if forced != "auto":
+        if _KEYS[forced] not in row:
+            raise BadRow(f"row has no '{_KEYS[forced]}' (--data-format {forced}; keys: {', '.join(sorted(row))})")
+        return forced
+    for fmt, key in _KEYS.items():
+        if row.get(key) is not None:
+            return fmt
+    raise BadRow(
+        f"row matches no known format (keys: {', '.join(sorted(row))}); expected one of "
+        "messages, conversations, instruction/output, input_ids, text, turns"
+    )
+
+
+def _check_messages(messages: list[dict], need_assistant: bool) -> list[dict]:
+    for m in messages:
+        if m["role"] not in ROLES:
+            raise BadRow(f"unknown role '{m['role']}'")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str):
+            raise BadRow(f"{m['role']} message content is a {type(content).__name__}, expected text")
+        if not (content or "").strip() and not m.get("tool_calls") and not m.get("reasoning_content"):
+            raise BadRow(f"empty {m['role']} message")
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise BadRow("no assistant turn; pass --regenerate to have the model write the answers")
+    if not any(m["role"] == "user" for m in messages):
+        raise BadRow("no user turn")
+    return messages
+
+
+def _turn_list(row: dict, key: str) -> list:
+    turns = row[key]
+    if not isinstance(turns, list) or not turns:
+        raise BadRow(f"'{key}' is not a non-empty list")
+    return turns
+
+
+def conversation(row: dict, fmt: str, need_assistant: bool = True) -> list[dict]:
+    """The row as [{"role", "content", ...}, ...] for the chat template."""
+    if fmt == "messages" or fmt == "sharegpt":
+        messages = []
+        for turn in _turn_list(row, _KEYS[fmt]):
+            if isinstance(turn, dict) and "role" in turn:
+                messages.append({k: v for k, v in turn.items() if v is not None})
+            elif isinstance(turn, dict) and "from" in turn and "value" in turn:
+                role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+                if role is None:
+                    raise BadRow(f"unknown ShareGPT speaker '{turn['from']}'")
+                messages.append({"role": role, "content": turn["value"]})
+            else:
+                raise BadRow("a turn has neither 'role' nor 'from'/'value'")
+    elif fmt == "alpaca":
+        prompt = str(row.get("instruction") or "")
+        if row.get("input"):
+            prompt += "\n\n" + str(row["input"])
+        messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+        messages.append({"role": "user", "content": prompt})
+        if row.get("output") is not None:
+            messages.append({"role": "assistant", "content": row["output"]})
+    elif fmt == "questions":
+        messages = [{"role": "user", "content": q} for q in _turn_list(row, "turns")]
+    else:
+        raise BadRow(f"a {fmt} row is not a conversation")
+    return _check_messages(messages, need_assistant)
+
+
+def _int_list(value, name: str) -> list[int]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, int) and v >= 0 for v in value):
+        raise BadRow(f"'{name}' is not a non-empty list of non-negative integers")
+    return value
+
+
+def to_record(number: int, row: object, forced: str = "auto", need_assistant: bool = True) -> Record:
+    fmt = row_format(row, forced)
+    if fmt == "tokens":
+        ids = _int_list(list(row["input_ids"]), "input_ids")
+        mask = row.get("loss_mask")
+        mask = [1] * len(ids) if mask is None else _int_list(list(mask), "loss_mask")
+        if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+            raise BadRow(f"'loss_mask' must be {len(ids)} zeros and ones, one per input id")
+        return Record(number, input_ids=ids, loss_mask=mask)
+    if fmt == "text":
+        if not isinstance(row["text"], str) or not row["text"].strip():
+            raise BadRow("empty 'text'")
+        return Record(number, text=row["text"])
+    return Record(number, messages=conversation(row, fmt, need_assistant))

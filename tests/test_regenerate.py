@@ -1,0 +1,76 @@
+"""--regenerate: the answers in the output are the model's own greedy output, turn by turn.
+
+The oracle is vLLM run directly through its own chat API (`LLM.chat`), one batched call per
+turn, on the same weights in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from datasets import load_from_disk
+from transformers import AutoTokenizer
+
+from eagle_extract.data import tokenize_conversation
+
+from .common import SAMPLE_DATA
+from .conftest import run_cli
+
+MAX_NEW = 40
+ORACLE = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+model, convs = sys.argv[1], json.loads(sys.argv[2])
+llm = LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, max_model_len=513)
+params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]))
+chats = [[] for _ in convs]
+for turn in range(max(map(len, convs))):
+    active = [i for i, c in enumerate(convs) if turn < len(c)]
+    for i in active:
+        chats[i].append({"role": "user", "content": convs[i][turn]})
+    for i, out in zip(active, llm.chat([chats[i] for i in active], params, use_tqdm=False)):
+        chats[i].append({"role": "assistant", "content": out.outputs[0].text})
+print("ORACLE" + json.dumps(chats))
+"""
+
+
+def vllm_chat_directly(model, user_turns: list[list[str]]) -> list[list[dict]]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    args = [sys.executable, "-c", ORACLE, str(model), json.dumps(user_turns), str(MAX_NEW)]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("ORACLE")), None)
+    assert line, proc.stderr[-3000:]
+    return json.loads(line[len("ORACLE") :])
+
+
+def test_regenerate_questions_and_replace_dataset_answers(tmp_path, smollm2):
+    questions = [json.loads(x) for x in (SAMPLE_DATA / "vicuna_bench_questions.jsonl").open()][:3]
+    rows = questions + [
+        {"turns": [questions[0]["turns"][0], "Now say it in one sentence."]},  # two turns: the second sees answer 1
+        {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "DATASET"}]},
+    ]
+    data = tmp_path / "questions.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    args = ["--data", str(data), "--output", str(out), "--regenerate", "--max-new-tokens", str(MAX_NEW)]
+    run_cli("--model", str(smollm2), *args, "--dtype", "float32", "--seq-length", "512")
+
+    saved = [json.loads(x) for x in (out / "regenerated.jsonl").open()]
+    user_turns = [r["turns"] for r in rows[:4]] + [["Name a colour."]]
+    want = vllm_chat_directly(smollm2, user_turns)
+    assert [s["row"] for s in saved] == [0, 1, 2, 3, 4]
+    assert [s["messages"] for s in saved] == want
+    assert all(m["content"] != "DATASET" for s in saved for m in s["messages"])
+    assert len([m for m in saved[3]["messages"] if m["role"] == "assistant"]) == 2
+
+    # The extraction is of exactly these conversations.
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    ds = load_from_disk(str(out))
+    for i, s in enumerate(saved):
+        ids, mask = tokenize_conversation(tokenizer, s["messages"])
+        assert ds[i]["input_ids"].tolist() == ids and ds[i]["loss_mask"].tolist() == mask
+    manifest = json.loads((out / "eagle_extract.json").read_text())
+    assert manifest["num_samples"] == 5 and manifest["regenerated"]["answers"] == 6
