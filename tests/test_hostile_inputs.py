@@ -60,6 +60,26 @@ def _cases(tmp, model):
             "unknown role 'wizard'",
         ),
         (
+            "a folder that is not a saved dataset",
+            ["--data", str(tmp / "foreign")],
+            "is a folder but not a saved dataset",
+        ),
+        (
+            "questions only, without --regenerate",
+            ["--data", _rows(tmp / "questions.jsonl", [{"turns": ["Why?"]}])],
+            "no assistant turn; pass --regenerate",
+        ),
+        (
+            "a bad row under --strict",
+            ["--data", _write(tmp / "rows.jsonl", json.dumps(ok) + "\n{oops\n"), "--strict"],
+            "rows.jsonl line 2: malformed JSON line",
+        ),
+        (
+            "--regenerate with a length the context cannot hold",
+            ["--regenerate", "--seq-length", "10000"],
+            "--seq-length 10000 does not fit the model's context of 8192",
+        ),
+        (
             "a sample longer than the model's context",
             ["--data", _rows(tmp / "long.jsonl", [ok, long_row]), "--seq-length", "10000"],
             "does not fit the model's context of 8192; pass --seq-length 8191",
@@ -94,12 +114,26 @@ def _binary(path):
     return str(path)
 
 
+def _split_flags(args: list[str]) -> tuple[dict, list[str]]:
+    """A command line's KEY VALUE options, and its bare flags (an option followed by an option or nothing)."""
+    pairs, flags, i = {}, [], 0
+    while i < len(args):
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            pairs[args[i]] = args[i + 1]
+            i += 2
+        else:
+            flags.append(args[i])
+            i += 1
+    return pairs, flags
+
+
 def test_every_hostile_input_gets_one_line_naming_the_fix(tmp_path, smollm2):
     failures = []
     for case, args, words in _cases(tmp_path, smollm2):
         options = {"--model": str(smollm2), "--data": DATA, "--output": str(tmp_path / "out")}
-        options.update(zip(args[::2], args[1::2]))
-        proc = run_cli(*[x for pair in options.items() for x in pair], check=False)
+        pairs, flags = _split_flags(args)
+        options.update(pairs)
+        proc = run_cli(*[x for pair in options.items() for x in pair], *flags, check=False)
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         if proc.returncode == 0 or len(lines) != 1 or words not in lines[0]:
             failures.append(f"{case}: rc={proc.returncode} stderr={proc.stderr[-400:]!r}")

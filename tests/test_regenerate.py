@@ -46,14 +46,15 @@ def vllm_chat_directly(model, user_turns: list[list[str]]) -> list[list[dict]]:
     return json.loads(line[len("ORACLE") :])
 
 
-def test_regenerate_questions_and_replace_dataset_answers(tmp_path, smollm2):
+def test_regenerate_questions_and_replace_dataset_answers_skipping_bad_rows(tmp_path, smollm2):
     questions = [json.loads(x) for x in (SAMPLE_DATA / "vicuna_bench_questions.jsonl").open()][:3]
     rows = questions + [
         {"turns": [questions[0]["turns"][0], "Now say it in one sentence."]},  # two turns: the second sees answer 1
         {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "DATASET"}]},
     ]
     data = tmp_path / "questions.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bad = ['{"turns": ["unterminated', json.dumps({"messages": [{"role": "wizard", "content": "hi"}]})]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n".join(bad) + "\n")
     out = tmp_path / "out"
     args = ["--data", str(data), "--output", str(out), "--regenerate", "--max-new-tokens", str(MAX_NEW)]
     run_cli("--model", str(smollm2), *args, "--dtype", "float32", "--seq-length", "512")
@@ -74,3 +75,9 @@ def test_regenerate_questions_and_replace_dataset_answers(tmp_path, smollm2):
         assert ds[i]["input_ids"].tolist() == ids and ds[i]["loss_mask"].tolist() == mask
     manifest = json.loads((out / "eagle_extract.json").read_text())
     assert manifest["num_samples"] == 5 and manifest["regenerated"]["answers"] == 6
+    report = [json.loads(x) for x in (out / "skipped_rows.jsonl").open()]
+    assert [(r["row"], r["reason"].split(" (")[0]) for r in report] == [
+        (5, "malformed JSON line"),
+        (6, "unknown role 'wizard'"),
+    ]
+    assert manifest["skipped"] == 2
