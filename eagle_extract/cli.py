@@ -87,6 +87,20 @@ def main():
     "[default: 2, n//2, n-3]",
 )
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size (GPUs per engine).")
+@click.option(
+    "--dp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Engine replicas on this machine, each with --tp GPUs (or a share of the CPU cores) and a share of the rows.",
+)
+@click.option(
+    "--shard",
+    default=None,
+    metavar="I/N",
+    help="Process only part I of N of the rows (0 <= I < N), for N jobs sharing one --output; the last to finish "
+    "(or `eagle-extract merge`) completes the dataset. docs/scaling.md",
+)
 @click.option("--max-samples", type=int, default=None, help="Use at most this many rows. [default: all]")
 @click.option(
     "--seq-length",
@@ -183,6 +197,8 @@ def extract_command(
     data_format,
     strict,
     long_samples,
+    dp,
+    shard,
     regenerate,
     temperature,
     top_p,
@@ -222,13 +238,30 @@ def extract_command(
         data_format=data_format,
         strict=strict,
         long_samples=long_samples,
+        shard=shard,
         regenerate=regenerate,
         temperature=temperature,
         top_p=top_p,
         max_new_tokens=max_new_tokens,
         seed=seed,
     )
-    _summarise(_run_or_fail(run, cfg), model, output)
+    if dp > 1:
+        from .replicas import run_replicas
+
+        _summarise(_run_or_fail(lambda c, log: run_replicas(c, dp, log=log), cfg), model, output)
+    else:
+        _summarise(_run_or_fail(run, cfg), model, output)
+
+
+@main.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("output", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def merge(output):
+    """Complete a sharded output once every shard (--shard I/N) has finished: write the Arrow
+    dataset, token_freq.pt and the manifest. Names the shards still missing."""
+    from .extract import merge as complete
+
+    manifest = _run_or_fail(complete, output)
+    _summarise(manifest, manifest["model"], output)
 
 
 def _interrupt(signum, frame):
@@ -249,6 +282,15 @@ def _run_or_fail(fn, *args) -> dict:
 
 
 def _summarise(manifest: dict, model: str, output: Path) -> None:
+    if manifest.get("complete") is False:  # one shard of several
+        rate = manifest["tokens"] / manifest["extract_s"] if manifest["extract_s"] else 0
+        waiting = ", ".join(f"{k}/{manifest['shard'].split('/')[1]}" for k in manifest["waiting_for"])
+        click.echo(
+            f"shard {manifest['shard']} done: {manifest['rows']} samples ({rate:,.0f} tokens/s; engine start "
+            f"{manifest['engine_start_s']:.1f} s); the dataset is completed when shard(s) {waiting or '-'} "
+            f"finish, or by `eagle-extract merge {output}`"
+        )
+        return
     t = manifest["timing"]
     click.echo(
         f"done: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "

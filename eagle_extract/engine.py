@@ -18,9 +18,9 @@ FIXED_ARGS = {
 }
 
 
-def _cpu_thread_binding(workers: int) -> str:
-    """Split this process's cores evenly over the CPU workers, as 'a-b|c-d'."""
-    cores = sorted(os.sched_getaffinity(0))
+def cpu_thread_binding(workers: int, cores: list[int] | None = None) -> str:
+    """Split `cores` (default: this process's) evenly over the CPU workers, as 'a-b|c-d'."""
+    cores = sorted(cores or os.sched_getaffinity(0))
     per = max(1, len(cores) // workers)
     groups = [cores[i * per : (i + 1) * per] or cores[-1:] for i in range(workers)]
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
@@ -45,7 +45,7 @@ def prepare_environment(tp: int, pp: int, dtype: str = "auto") -> None:
     if not on_gpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         if tp * pp > 1:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(tp * pp))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp * pp))
 
 
 def check_engine_args(extra: dict) -> None:

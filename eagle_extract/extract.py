@@ -5,15 +5,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import __version__
+from . import __version__, shards
 from . import regenerate as regen
-from .data import LoadReport, make_samples, read_records
+from .data import LoadReport, Sample, make_samples, read_records
 from .layers import CONVENTION, parse_layer_ids
 from .writer import (
     HIDDEN_DIR,
@@ -50,6 +51,7 @@ class ExtractConfig:
     data_format: str = "auto"
     strict: bool = False
     long_samples: str = "truncate"  # or "skip"
+    shard: str | None = None  # "I/N": this job's part of the rows (docs/scaling.md)
     regenerate: bool = False
     temperature: float = 0.0
     top_p: float = 1.0
@@ -117,6 +119,10 @@ def check_tp(tp: int, shape: ModelShape) -> None:
 RUN_FILE = ".eagle_extract_run.json"  # identity of an unfinished run, for resuming
 
 
+def run_file(shard: tuple[int, int] | None) -> str:
+    return RUN_FILE if shard is None else f".eagle_extract_run.{shards.shard_name(shard)}.json"
+
+
 def _nearest_existing(path: Path) -> Path:
     while not path.exists():
         path = path.parent
@@ -136,11 +142,23 @@ def check_output_writable(output: Path) -> None:
         ) from None
 
 
-def prepare_output(output: Path, identity: dict, overwrite: bool) -> set[int]:
-    """Make `output` ready; returns the rows an interrupted identical run already wrote."""
+def _other_identities(output: Path, own: Path) -> list[dict]:
+    """Identities recorded by the other jobs (shards) writing into `output`."""
+    found = [json.loads(f.read_text()) for f in output.glob(".eagle_extract_run*.json") if f != own]
+    folder = output / shards.SHARDS_DIR
+    if folder.is_dir():
+        found += [json.loads(f.read_text())["identity"] for f in folder.glob("*-of-*.json")]
+    return found
+
+
+def prepare_output(
+    output: Path, identity: dict, overwrite: bool, shard: tuple[int, int] | None = None, rows: set[int] | None = None
+) -> set[int]:
+    """Make `output` ready; returns the rows (of `rows`, default all) an identical run already wrote."""
+    own = output / run_file(shard)
     if output.is_dir() and any(output.iterdir()):
-        run_file = output / RUN_FILE
-        if not (output / MANIFEST).exists() and not run_file.exists():
+        ours = (output / MANIFEST).exists() or any(output.glob(".eagle_extract_run*.json"))
+        if not ours and not (output / shards.SHARDS_DIR).is_dir():
             raise ExtractError(
                 f"--output {output} holds files that are not an eagle-extract output; choose an empty folder"
             )
@@ -149,21 +167,28 @@ def prepare_output(output: Path, identity: dict, overwrite: bool) -> set[int]:
         elif (output / MANIFEST).exists():
             raise ExtractError(f"--output {output} already holds a complete extraction; pass --overwrite to replace it")
         else:
-            previous = json.loads(run_file.read_text())
-            changed = [k for k in identity if previous.get(k) != identity[k]]
-            if changed:
-                k = changed[0]
-                raise ExtractError(
-                    f"--output {output} holds an unfinished run with a different {k} "
-                    f"({previous.get(k)!r}, now {identity[k]!r}); pass --overwrite to start over"
-                )
-            for stale in (output / HIDDEN_DIR).glob(".*.tmp"):
-                stale.unlink()
-            return completed_rows(output)
+            recorded = ([json.loads(own.read_text())] if own.exists() else []) + _other_identities(output, own)
+            for previous in recorded:
+                changed = [k for k in identity if previous.get(k) != identity[k]]
+                if changed:
+                    k = changed[0]
+                    raise ExtractError(
+                        f"--output {output} holds an unfinished run with a different {k} "
+                        f"({previous.get(k)!r}, now {identity[k]!r}); pass --overwrite to start over"
+                    )
+            done = completed_rows(output) if rows is None else completed_rows(output) & rows
+            for stale in (output / HIDDEN_DIR).glob(".*.tmp"):  # other shards' files in flight stay
+                index = re.fullmatch(r"\.hs_(\d+)\.safetensors\.tmp", stale.name)
+                if rows is None or (index and int(index.group(1)) in rows):
+                    stale.unlink(missing_ok=True)
+            tmp = output / f"{own.name}.tmp"
+            tmp.write_text(json.dumps(identity, indent=2))
+            os.replace(tmp, own)
+            return done
     output.mkdir(parents=True, exist_ok=True)
-    tmp = output / f"{RUN_FILE}.tmp"
+    tmp = output / f"{own.name}.tmp"
     tmp.write_text(json.dumps(identity, indent=2))
-    os.replace(tmp, output / RUN_FILE)
+    os.replace(tmp, own)
     return set()
 
 
@@ -302,16 +327,39 @@ def _regenerated_records(llm, cfg: ExtractConfig, output: Path, tokenizer, recor
     return out, asdict(stats)
 
 
-def run(cfg: ExtractConfig, log=print) -> dict:
-    """Run a whole extraction; returns the manifest that was written."""
+@dataclass
+class Plan:
+    """Everything decided before anything is created: checked settings, the rows, the identity."""
+
+    cfg: ExtractConfig
+    shape: ModelShape
+    aux_ids: list[int]
+    tokenizer: object
+    triples: list  # (record or None, source row, reason) from read_records
+    identity: dict
+    shard: tuple[int, int] | None
+
+
+def make_plan(cfg: ExtractConfig) -> Plan:
     from transformers import AutoTokenizer
 
     from .engine import check_engine_args
 
     try:
         check_engine_args(cfg.engine_args)
+        shard = shards.parse_shard(cfg.shard)
     except ValueError as exc:
         raise ExtractError(str(exc)) from None
+    if shard and cfg.overwrite:
+        raise ExtractError(
+            "--overwrite cannot be combined with --shard (it would delete the other shards' work); "
+            "empty the output folder once before starting the shards"
+        )
+    if shard and cfg.regenerate:
+        raise ExtractError(
+            "--regenerate cannot be combined with --shard yet; regenerate in one run, or shard its "
+            "regenerated.jsonl as --data"
+        )
     shape = read_model_shape(cfg.model, cfg.trust_remote_code)
     aux_ids = parse_layer_ids(cfg.layers, shape.num_layers)
     check_tp(cfg.tp, shape)
@@ -320,7 +368,6 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     check_output_writable(Path(cfg.output))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     triples = list(read_records(cfg.data, cfg.data_format, cfg.strict, need_assistant=not cfg.regenerate))
-    output = Path(cfg.output)
     identity = {
         "model": str(Path(cfg.model).resolve()),
         "data_sha256": _sha256(Path(cfg.data)),
@@ -333,52 +380,68 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         "max_samples": cfg.max_samples,
         "regenerate": [cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed] if cfg.regenerate else None,
     }
-    dtype = identity["dtype"]
-    num_slots = len(aux_ids) + 1
-    per_token = num_slots * shape.hidden_size * (1 if cfg.storage_dtype == "fp8" else dtype_bytes(dtype)) + 12
-    sample_options = dict(long_samples=cfg.long_samples, strict=cfg.strict, source=str(cfg.data))
+    return Plan(cfg, shape, aux_ids, tokenizer, triples, identity, shard)
+
+
+def plan_samples(plan: Plan, triples: list | None = None) -> tuple[list[Sample], LoadReport]:
+    cfg = plan.cfg
+    options = dict(long_samples=cfg.long_samples, strict=cfg.strict, source=str(cfg.data))
+    samples, report = make_samples(triples or plan.triples, plan.tokenizer, cfg.seq_length, cfg.max_samples, **options)
+    longest = max(len(s.input_ids) for s in samples)
+    if plan.shape.context and longest >= plan.shape.context:
+        raise ExtractError(
+            f"a sample of {longest} tokens does not fit the model's context of {plan.shape.context}; "
+            f"pass --seq-length {plan.shape.context - 1} or less to truncate it"
+        )
+    return samples, report
+
+
+def _bytes_per_token(plan: Plan) -> int:
+    width = 1 if plan.cfg.storage_dtype == "fp8" else dtype_bytes(plan.identity["dtype"])
+    return (len(plan.aux_ids) + 1) * plan.shape.hidden_size * width + 12
+
+
+def run(cfg: ExtractConfig, log=print) -> dict:
+    """Run a whole extraction (or one shard of it). Returns the manifest when the output is
+    complete, else this shard's summary (with "complete": False)."""
+    plan = make_plan(cfg)
+    output = Path(cfg.output)
     llm, start_s, regenerated = None, 0.0, None
     if cfg.regenerate:
-        if shape.context and cfg.seq_length >= shape.context:
+        if plan.shape.context and cfg.seq_length >= plan.shape.context:
             raise ExtractError(
-                f"--seq-length {cfg.seq_length} does not fit the model's context of {shape.context}; "
-                f"pass --seq-length {shape.context - 1} or less"
+                f"--seq-length {cfg.seq_length} does not fit the model's context of {plan.shape.context}; "
+                f"pass --seq-length {plan.shape.context - 1} or less"
             )
-        done = prepare_output(output, identity, cfg.overwrite)
+        prepare_output(output, plan.identity, cfg.overwrite)
         t0 = time.perf_counter()
         try:
             llm = _start(cfg, cfg.seq_length + 1)
             start_s = time.perf_counter() - t0
-            usable = [r for r, _, _ in triples if r is not None][: cfg.max_samples]
-            records, regenerated = _regenerated_records(llm, cfg, output, tokenizer, usable, log)
+            usable = [r for r, _, _ in plan.triples if r is not None][: cfg.max_samples]
+            records, regenerated = _regenerated_records(llm, cfg, output, plan.tokenizer, usable, log)
         except ExtractError:
             raise
         except Exception as exc:
             raise _engine_failed(exc) from None
-        bad = [(None, n, why) for r, n, why in triples if r is None]
-        triples = sorted([(r, r.row, None) for r in records] + bad, key=lambda t: t[1])
-        samples, report = make_samples(triples, tokenizer, cfg.seq_length, cfg.max_samples, **sample_options)
-        todo_tokens = sum(len(s.input_ids) for i, s in enumerate(samples) if i not in done)
-        expected_bytes, free = _check_disk(cfg, output, todo_tokens, per_token)
+        bad = [(None, n, why) for r, n, why in plan.triples if r is None]
+        samples, report = plan_samples(plan, sorted([(r, r.row, None) for r in records] + bad, key=lambda t: t[1]))
     else:
-        samples, report = make_samples(triples, tokenizer, cfg.seq_length, cfg.max_samples, **sample_options)
-        longest = max(len(s.input_ids) for s in samples)
-        if shape.context and longest >= shape.context:
-            raise ExtractError(
-                f"a sample of {longest} tokens does not fit the model's context of {shape.context}; "
-                f"pass --seq-length {shape.context - 1} or less to truncate it"
-            )
-        # Size check before anything is created: rows a resumable run already wrote need no room.
-        already = set() if cfg.overwrite else completed_rows(output)
-        todo_tokens = sum(len(s.input_ids) for i, s in enumerate(samples) if i not in already)
-        expected_bytes, free = _check_disk(cfg, output, todo_tokens, per_token)
-        done = prepare_output(output, identity, cfg.overwrite)
-    tokens = sum(len(s.input_ids) for s in samples)
-    todo = [(i, s) for i, s in enumerate(samples) if i not in done]
+        samples, report = plan_samples(plan)
+    mine = {i for i, s in enumerate(samples) if shards.owns(plan.shard, s.row)}
+    # Size check before anything is created: rows a resumable run already wrote need no room.
+    already = set() if cfg.overwrite else completed_rows(output)
+    todo_tokens = sum(len(samples[i].input_ids) for i in mine - already)
+    expected_bytes, free = _check_disk(cfg, output, todo_tokens, _bytes_per_token(plan))
+    fresh = cfg.overwrite and not cfg.regenerate  # a regenerating run prepared (and cleared) the folder already
+    done = prepare_output(output, plan.identity, fresh, plan.shard, mine)
+    todo = [(i, samples[i]) for i in sorted(mine - done)]
+    part = f" (shard {cfg.shard}: {len(mine)} of them)" if plan.shard else ""
     resumed = f"; resuming, {len(done)} rows already written" if done else ""
     log(
-        f"{len(samples)} samples, {tokens} tokens; slots for layers {aux_ids + [shape.num_layers]}; "
-        f"about {expected_bytes / 2**20:.1f} MiB of hidden states to write ({free / 2**30:.1f} GiB free){resumed}"
+        f"{len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens{part}; slots for layers "
+        f"{plan.aux_ids + [plan.shape.num_layers]}; about {expected_bytes / 2**20:.1f} MiB of hidden states "
+        f"to write ({free / 2**30:.1f} GiB free){resumed}"
     )
 
     try:
@@ -386,32 +449,96 @@ def run(cfg: ExtractConfig, log=print) -> dict:
             t0 = time.perf_counter()
             llm = _start(cfg, max(len(s.input_ids) for s in samples) + 1)  # room for the one sampled token
             start_s = time.perf_counter() - t0
-        written, stats, extract_s = _capture(llm, cfg, output, aux_ids, shape, samples, todo, done)
+        written, stats, extract_s = _capture(llm, cfg, output, plan.aux_ids, plan.shape, samples, todo, done)
     except ExtractError:
         raise
     except Exception as exc:
         raise _engine_failed(exc) from None
-    missing = sorted(set(range(len(samples))) - written)
+    missing = sorted(mine - written)
     if missing:
         raise ExtractError(
             f"{len(missing)} rows were never captured (first: row {missing[0]}); rerun, and report this as a bug"
         )
+    this_run = {
+        "engine_start_s": round(start_s, 2),
+        "extract_s": round(extract_s, 2),
+        "tokens": todo_tokens,
+        "rows": len(mine),
+        "resumed_rows": len(done),
+        "capture": stats,
+    }
+    if plan.shard is None:
+        manifest = _complete(plan, samples, report, [this_run], regenerated)
+        (output / RUN_FILE).unlink()
+        return manifest
+    summary = {"shard": cfg.shard, "identity": plan.identity, "config": _config_record(cfg), **this_run}
+    shards.record_finished(output, plan.shard, summary)
+    (output / run_file(plan.shard)).unlink()
+    return _complete_if_last(plan, samples, report, summary, log)
 
+
+def _config_record(cfg: ExtractConfig) -> dict:
+    return {**asdict(cfg), "data": str(cfg.data), "output": str(cfg.output), "overwrite": False}
+
+
+def _complete_if_last(plan: Plan, samples, report, summary: dict, log) -> dict:
+    """Complete the dataset when every shard has finished and no other job is doing it."""
+    output, num = Path(plan.cfg.output), plan.shard[1]
+    runs = shards.finished(output, num)
+    if len(runs) < num or not shards.claim_completion(output):
+        waiting = sorted(set(range(num)) - set(runs))
+        log(f"shard {plan.cfg.shard} done; waiting for shard(s) {', '.join(f'{k}/{num}' for k in waiting) or 'none'}")
+        return {**summary, "complete": False, "waiting_for": waiting}
+    return _complete(plan, samples, report, [runs[k] for k in range(num)], None)
+
+
+def merge(output: Path, log=print) -> dict:
+    """Complete a sharded output once every shard has finished (`eagle-extract merge`)."""
+    output = Path(output)
+    if (output / MANIFEST).exists():
+        raise ExtractError(f"{output} is already complete; check it with `eagle-extract verify {output}`")
+    summary = shards.any_summary(output)
+    if summary is None:
+        raise ExtractError(f"{output} holds no finished shard; run the shards (--shard I/N) first")
+    num = shards.parse_shard(summary["shard"])[1]
+    runs = shards.finished(output, num)
+    missing = sorted(set(range(num)) - set(runs))
+    if missing:
+        names = ", ".join(f"{k}/{num}" for k in missing)
+        raise ExtractError(
+            f"shard(s) {names} of {output} have not finished; run them (--shard {missing[0]}/{num}), then merge again"
+        )
+    cfg = ExtractConfig(**{**summary["config"], "data": Path(summary["config"]["data"]), "output": output})
+    plan = make_plan(cfg)
+    samples, report = plan_samples(plan)
+    (output / shards.COMPLETING).unlink(missing_ok=True)  # an earlier completer that died left its lock
+    shards.claim_completion(output)
+    return _complete(plan, samples, report, [runs[k] for k in range(num)], None)
+
+
+def _complete(plan: Plan, samples, report, runs: list[dict], regenerated) -> dict:
+    """Write the dataset files and, last, the manifest: the output now looks complete."""
+    cfg, shape, output = plan.cfg, plan.shape, Path(plan.cfg.output)
+    missing = sorted(set(range(len(samples))) - completed_rows(output))
+    if missing:
+        raise ExtractError(f"{len(missing)} rows have no hidden-state file (first: row {missing[0]}); rerun to finish")
     write_dataset(output, [s.input_ids for s in samples], [s.loss_mask for s in samples])
+    dtype = plan.identity["dtype"]
+    extract_s = max(r["extract_s"] for r in runs)
     manifest = {
         "format": "speculators-offline",
-        "identity": identity,
-        "config": {**asdict(cfg), "data": str(cfg.data), "output": str(cfg.output), "overwrite": False},
+        "identity": plan.identity,
+        "config": _config_record(cfg),
         "model": str(cfg.model),
-        "aux_layer_ids": aux_ids,
+        "aux_layer_ids": plan.aux_ids,
         "final_layer_id": shape.num_layers,
-        "slot_layer_ids": aux_ids + [shape.num_layers],
+        "slot_layer_ids": plan.aux_ids + [shape.num_layers],
         "layer_convention": CONVENTION,
         "dtype": dtype,
         "storage_dtype": "float8_e4m3fn" if cfg.storage_dtype == "fp8" else dtype,
         "hidden_size": shape.hidden_size,
         "num_samples": len(samples),
-        "num_tokens": tokens,
+        "num_tokens": sum(len(s.input_ids) for s in samples),
         "num_loss_tokens": sum(sum(s.loss_mask) for s in samples),
         "seq_length": cfg.seq_length,
         "truncated": report.truncated,
@@ -419,22 +546,23 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         "skipped_long": report.skipped_long,
         "regenerated": regenerated,
         "source_rows": [s.row for s in samples],
-        "data": {"path": str(cfg.data), "sha256": identity["data_sha256"], "format": cfg.data_format},
+        "data": {"path": str(cfg.data), "sha256": plan.identity["data_sha256"], "format": cfg.data_format},
         "tensor_parallel_size": cfg.tp,
         "engine_args": cfg.engine_args,
-        "resumed_rows": len(done),
-        "capture": stats,
+        "shards": len(runs) if plan.shard else None,
+        "resumed_rows": sum(r["resumed_rows"] for r in runs),
+        "capture": runs[0]["capture"] if len(runs) == 1 else [r["capture"] for r in runs],
         "timing": {
-            "engine_start_s": round(start_s, 2),
-            "extract_s": round(extract_s, 2),
-            "tokens_per_s": round(todo_tokens / extract_s, 1),
+            "engine_start_s": max(r["engine_start_s"] for r in runs),
+            "extract_s": extract_s,
+            "tokens_per_s": round(sum(r["tokens"] for r in runs) / extract_s, 1) if extract_s else 0.0,
         },
         "bytes_written": sum(hidden_state_path(output, i).stat().st_size for i in range(len(samples))),
         "versions": _versions(),
     }
     _write_skip_report(output, report)
     write_manifest(output, manifest)
-    (output / RUN_FILE).unlink()
+    (output / shards.COMPLETING).unlink(missing_ok=True)
     return manifest
 
 
@@ -456,4 +584,4 @@ def repair(output: Path, rows: list[int], log=print) -> dict:
     os.replace(tmp, output / RUN_FILE)  # the output is an unfinished run again ...
     (output / MANIFEST).unlink()  # ... and no longer looks complete
     config = manifest["config"]
-    return run(ExtractConfig(**{**config, "data": Path(config["data"]), "output": output}), log=log)
+    return run(ExtractConfig(**{**config, "data": Path(config["data"]), "output": output, "shard": None}), log=log)

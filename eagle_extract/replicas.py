@@ -1,0 +1,126 @@
+"""`--dp N`: N engine replicas on one node, each extracting one shard of the rows.
+
+Each replica is its own process running shard k/N of the same job (`shards.py`), on its own
+devices: `--tp` GPUs each (CUDA_VISIBLE_DEVICES), or an equal slice of the CPU cores.  The
+parent checks the input once, starts the replicas, shows one progress bar, and stops them all
+if one fails.  Whichever replica finishes last completes the dataset files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from .engine import cpu_thread_binding
+from .extract import RUN_FILE, ExtractConfig, ExtractError, make_plan, merge, plan_samples, prepare_output, run
+from .shards import SHARDS_DIR
+from .writer import MANIFEST, completed_rows, read_manifest
+
+
+def device_slices(dp: int, tp: int) -> list[dict]:
+    """Per replica: the environment that gives it its own devices, and (CPU) its cores."""
+    import torch
+
+    if torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        if len(gpus) < dp * tp:
+            raise ExtractError(f"--dp {dp} --tp {tp} needs {dp * tp} GPUs, {len(gpus)} visible; lower --dp or --tp")
+        return [{"env": {"CUDA_VISIBLE_DEVICES": ",".join(gpus[k * tp : (k + 1) * tp])}} for k in range(dp)]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < dp * tp:
+        raise ExtractError(f"--dp {dp} --tp {tp} needs {dp * tp} CPU cores, {len(cores)} available; lower --dp")
+    per = len(cores) // dp
+    slices = [cores[k * per : (k + 1) * per] for k in range(dp)]
+    return [{"env": {"VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(tp, s)}, "cores": s} for s in slices]
+
+
+def _last_line(path: Path) -> str:
+    lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()] if path.exists() else []
+    return lines[-1] if lines else "no output"
+
+
+def run_replicas(cfg: ExtractConfig, dp: int, log=print) -> dict:
+    from tqdm import tqdm
+
+    if cfg.shard or cfg.regenerate:
+        raise ExtractError("--dp cannot be combined with --shard or --regenerate")
+    plan = make_plan(cfg)  # every input check once, before any engine starts
+    samples, _ = plan_samples(plan)
+    output = Path(cfg.output)
+    slices = device_slices(dp, cfg.tp)
+    prepare_output(output, plan.identity, cfg.overwrite)  # clears the folder once when asked to
+    (output / RUN_FILE).unlink()
+    (output / SHARDS_DIR).mkdir(exist_ok=True)
+    procs = []
+    try:
+        for k, part in enumerate(slices):
+            child = replace(cfg, shard=f"{k}/{dp}", overwrite=False)
+            config = {**child.__dict__, "data": str(child.data), "output": str(child.output)}
+            logfile = open(output / SHARDS_DIR / f"{k}-of-{dp}.log", "w")
+            cores = part.get("cores")
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "eagle_extract.replicas", json.dumps(config)],
+                    env={**os.environ, **part["env"], "TQDM_DISABLE": "1"},
+                    stdout=logfile,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)) if cores else None,
+                )
+            )
+        log(f"{dp} replicas started ({', '.join(str(p.pid) for p in procs)}); logs in {output / SHARDS_DIR}")
+        with tqdm(total=len(samples), unit="sample", desc=f"extract x{dp}", dynamic_ncols=True) as bar:
+            while any(p.poll() is None for p in procs):
+                failed = [k for k, p in enumerate(procs) if p.returncode not in (None, 0)]
+                if failed:
+                    k = failed[0]
+                    log_path = output / SHARDS_DIR / f"{k}-of-{dp}.log"
+                    raise ExtractError(
+                        f"replica {k} failed ({_last_line(log_path)}); every completed row is kept: "
+                        "rerun the same command to resume"
+                    )
+                bar.update(len(completed_rows(output)) - bar.n)
+                time.sleep(1)
+            bar.update(len(completed_rows(output)) - bar.n)
+        failed = [k for k, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            k = failed[0]
+            raise ExtractError(
+                f"replica {k} failed ({_last_line(output / SHARDS_DIR / f'{k}-of-{dp}.log')}); "
+                "every completed row is kept: rerun the same command to resume"
+            )
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait()
+    return read_manifest(output) if (output / MANIFEST).exists() else merge(output, log=log)
+
+
+def _replica(config_json: str) -> int:
+    """One replica's process: the parent passes its ExtractConfig as JSON."""
+    from .cli import _interrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    fields = json.loads(config_json)
+    cfg = ExtractConfig(**{**fields, "data": Path(fields["data"]), "output": Path(fields["output"])})
+    try:
+        run(cfg)
+    except (ExtractError, ValueError) as exc:  # DataError and LayerError are ValueErrors
+        print(f"Error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("Error: interrupted; every completed row is kept", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_replica(sys.argv[1]))

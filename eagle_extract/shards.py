@@ -1,0 +1,74 @@
+"""Several jobs writing one output folder: machines, scheduler array tasks, or `--dp` replicas.
+
+Shard k of N takes the samples whose source row number is k modulo N and writes their
+`hidden_states/hs_{i}` files under the index an unsharded run would give them, so nothing
+clashes and N shards equal one run file for file.  A finished shard leaves
+`shards/{k}-of-{N}.json`; whoever finds all N there first completes the dataset files,
+under a lock file so that only one does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+SHARDS_DIR = "shards"
+COMPLETING = ".completing"  # lock: one job writes the dataset files
+_SPEC = re.compile(r"^(\d+)/(\d+)$")
+
+
+class ShardError(ValueError):
+    """A bad --shard value or an output whose shards do not fit together; one line."""
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """'I/N' -> (I, N), 0 <= I < N."""
+    if text is None:
+        return None
+    m = _SPEC.match(text.strip())
+    if not m or not int(m.group(1)) < int(m.group(2)):
+        raise ShardError(f"--shard {text}: expected I/N with 0 <= I < N, e.g. --shard 0/4 ... --shard 3/4")
+    return int(m.group(1)), int(m.group(2))
+
+
+def shard_name(shard: tuple[int, int]) -> str:
+    return f"{shard[0]}-of-{shard[1]}"
+
+
+def owns(shard: tuple[int, int] | None, source_row: int) -> bool:
+    return shard is None or source_row % shard[1] == shard[0]
+
+
+def record_finished(output: Path, shard: tuple[int, int], summary: dict) -> None:
+    folder = Path(output) / SHARDS_DIR
+    folder.mkdir(exist_ok=True)
+    tmp = folder / f".{shard_name(shard)}.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, folder / f"{shard_name(shard)}.json")
+
+
+def finished(output: Path, num_shards: int) -> dict[int, dict]:
+    folder = Path(output) / SHARDS_DIR
+    found = {}
+    for k in range(num_shards):
+        path = folder / f"{shard_name((k, num_shards))}.json"
+        if path.is_file():
+            found[k] = json.loads(path.read_text())
+    return found
+
+
+def any_summary(output: Path) -> dict | None:
+    folder = Path(output) / SHARDS_DIR
+    paths = sorted(folder.glob("*-of-*.json")) if folder.is_dir() else []
+    return json.loads(paths[0].read_text()) if paths else None
+
+
+def claim_completion(output: Path) -> bool:
+    """True for exactly one caller: the one that creates the lock file."""
+    try:
+        os.close(os.open(Path(output) / COMPLETING, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False

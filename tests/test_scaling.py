@@ -1,0 +1,63 @@
+"""Scale-out: N shards of one job, or N engine replicas on one machine, equal one run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from datasets import load_from_disk
+
+from eagle_extract.shards import ShardError, owns, parse_shard
+
+from .common import load_row, rel_err
+from .conftest import BUDGET, run_cli
+
+
+def assert_same_output(got, want):
+    """File for file: the same rows and token counts exactly; hidden states to float32 rounding
+    (a shard's engine steps hold other requests than one run's)."""
+    names = sorted(p.name for p in (want / "hidden_states").iterdir())
+    assert sorted(p.name for p in (got / "hidden_states").iterdir()) == names
+    a, b = (load_from_disk(str(o)).with_format(None) for o in (got, want))
+    assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
+    assert torch.load(got / "token_freq.pt") == torch.load(want / "token_freq.pt")
+    for i in range(len(b)):
+        x, y = load_row(got, i), load_row(want, i)
+        assert torch.equal(x["token_ids"], y["token_ids"])
+        assert rel_err(x["hidden_states"], y["hidden_states"]) < 1e-5
+    m, n = (json.loads((o / "eagle_extract.json").read_text()) for o in (got, want))
+    assert m["identity"] == n["identity"] and m["num_tokens"] == n["num_tokens"]
+
+
+def test_shard_spec():
+    assert parse_shard("1/4") == (1, 4) and parse_shard(None) is None
+    for bad in ("4/4", "-1/2", "1", "a/b"):
+        with pytest.raises(ShardError, match="expected I/N with 0 <= I < N"):
+            parse_shard(bad)
+    assert [r for r in range(7) if owns((1, 3), r)] == [1, 4]
+
+
+def test_two_shards_run_separately_equal_one_run(tmp_path, tiny_llama, mixed_conversations, tiny_tp1_out):
+    out = tmp_path / "sharded"
+    args = ["--model", str(tiny_llama), "--data", str(mixed_conversations), "--output", str(out)]
+    args += ["--dtype", "float32", *BUDGET]
+    first = run_cli(*args, "--shard", "0/2")
+    assert "shard 0/2 done" in first.stdout and not (out / "eagle_extract.json").exists()
+    early = run_cli("merge", str(out), check=False)
+    lines = [x for x in early.stderr.splitlines() if x.strip()]
+    assert early.returncode == 1 and len(lines) == 1 and "shard(s) 1/2" in lines[0], early.stderr
+    other = run_cli(*args, "--shard", "1/2", "--dtype", "bfloat16", check=False)  # a different job cannot join
+    assert other.returncode == 1 and "different dtype" in other.stderr
+    run_cli(*args, "--shard", "1/2")  # the last shard completes the dataset
+    assert_same_output(out, tiny_tp1_out)
+    assert "passes every check" in run_cli("verify", str(out)).stdout
+
+
+def test_two_replicas_equal_one_run(tmp_path, tiny_llama, mixed_conversations, tiny_tp1_out):
+    out = tmp_path / "dp2"
+    args = ["--model", str(tiny_llama), "--data", str(mixed_conversations), "--output", str(out)]
+    proc = run_cli(*args, "--dtype", "float32", *BUDGET, "--dp", "2")
+    assert "2 replicas started" in proc.stdout and "done:" in proc.stdout
+    assert sorted(p.name for p in (out / "shards").glob("*.json")) == ["0-of-2.json", "1-of-2.json"]
+    assert_same_output(out, tiny_tp1_out)
