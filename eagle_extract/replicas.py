@@ -111,6 +111,8 @@ def _replica(config_json: str) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     fields = json.loads(config_json)
     cfg = ExtractConfig(**{**fields, "data": Path(fields["data"]), "output": Path(fields["output"])})
+    where = os.environ.get("CUDA_VISIBLE_DEVICES") or f"CPU cores {sorted(os.sched_getaffinity(0))}"
+    print(f"replica {cfg.shard} on {'GPUs ' if 'CUDA_VISIBLE_DEVICES' in os.environ else ''}{where}", flush=True)
     try:
         run(cfg)
     except (ExtractError, ValueError) as exc:  # DataError and LayerError are ValueErrors

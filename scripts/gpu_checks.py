@@ -14,6 +14,7 @@ Runs on a machine with vLLM (GPU build) installed, from the repository root:
 5. with two GPUs: a Qwen3-MoE checkpoint with Qwen3-30B-A3B's widths (fewer layers, random
    weights saved to disk so every run loads the same tensors), float32 with FlexAttention:
    TP=1 against transformers float32 on the GPU, and TP=2 against TP=1.
+6. with two GPUs, `dp`: --dp 2 (one replica per GPU) against one engine;
 
 Prints one table and writes it, with every figure, to OUT/gpu_checks.json.
 """
@@ -245,6 +246,35 @@ def moe_checks(work: Path, data: Path) -> None:
     check("qwen3-moe float32 TP=1 vs transformers float32, < 1e-4", vs_transformers)
 
 
+def dp_checks(work: Path, data: Path) -> None:
+    """--dp 2 (one replica per GPU) against one engine, float32."""
+    from eagle_extract.smollm2 import ensure_smollm2
+
+    model = ensure_smollm2(work / "cache")
+    outs = {}
+
+    def run(tag, *args):
+        rc, log = extract(model, data, work / tag, "--dtype", "float32", *BUDGET, *args, gpus="0,1")
+        if rc != 0:
+            raise RuntimeError(log)
+        outs[tag] = work / tag
+        return True, json.loads((work / tag / "eagle_extract.json").read_text())["timing"]
+
+    check("smollm2 float32, one engine", lambda: run("dp1"))
+    check("smollm2 float32, --dp 2", lambda: run("dp2", "--dp", "2"))
+
+    def same():
+        logs = " | ".join((outs["dp2"] / "shards" / f"{k}-of-2.log").read_text().splitlines()[0] for k in range(2))
+        n = json.loads((outs["dp1"] / "eagle_extract.json").read_text())["num_samples"]
+        pairs = [(load_row(outs["dp2"], i), load_row(outs["dp1"], i)) for i in range(n)]
+        worst = max(rel_err(a["hidden_states"], b["hidden_states"]) for a, b in pairs)
+        ids = all(torch.equal(a["token_ids"], b["token_ids"]) for a, b in pairs)
+        ok = worst < 1e-5 and ids and "GPUs 0" in logs and "GPUs 1" in logs
+        return ok, f"worst sample rel err {worst:.1e}; token files equal {ids}; {logs}"
+
+    check("--dp 2 equals one engine, one replica per GPU", same)
+
+
 def copy_checks() -> None:
     def fn():
         rows, equal = capture_vs_synchronous(DEVICE, hidden=4096, layers=8, steps=8, step_tokens=8192)
@@ -269,6 +299,8 @@ def main() -> None:
         smollm2_checks(args.work, data, only_fp32="smollm2" not in parts)
     if "moe" in parts and (DEVICE == "cpu" or torch.cuda.device_count() >= 2):
         moe_checks(args.work, data)
+    if "dp" in parts and torch.cuda.device_count() >= 2:
+        dp_checks(args.work, data)
     import vllm
 
     gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "none (CPU dry run)"
