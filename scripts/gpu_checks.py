@@ -12,7 +12,7 @@ Runs on a machine with vLLM (GPU build) installed, from the repository root:
 4. the capture path (side stream into pinned memory, background assembly) against blocking
    copies taken by separate hooks in the same forward passes, bitwise (`copies`);
 5. with two GPUs: a Qwen3-MoE checkpoint with Qwen3-30B-A3B's widths (fewer layers, random
-   weights saved to disk so every run loads the same tensors), float32 with FlexAttention:
+   weights saved to disk so every run loads the same tensors), float32 (IEEE, not TF32):
    TP=1 against transformers float32 on the GPU, and TP=2 against TP=1.
 6. with two GPUs, `dp`: --dp 2 (one replica per GPU) against one engine;
 
