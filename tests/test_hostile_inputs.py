@@ -74,6 +74,8 @@ def _cases(tmp, model):
             ["--data", _write(tmp / "rows.jsonl", json.dumps(ok) + "\n{oops\n"), "--strict"],
             "rows.jsonl line 2: malformed JSON line",
         ),
+        ("a shard that does not exist", ["--shard", "2/2"], "--shard 2/2: expected I/N with 0 <= I < N"),
+        ("--overwrite with --shard", ["--shard", "0/2", "--overwrite"], "--overwrite cannot be combined with --shard"),
         (
             "--regenerate with a length the context cannot hold",
             ["--regenerate", "--seq-length", "10000"],
