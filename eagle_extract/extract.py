@@ -172,9 +172,10 @@ def prepare_output(
                 changed = [k for k in identity if previous.get(k) != identity[k]]
                 if changed:
                     k = changed[0]
+                    fix = "use the other shards' settings" if shard else "pass --overwrite to start over"
                     raise ExtractError(
                         f"--output {output} holds an unfinished run with a different {k} "
-                        f"({previous.get(k)!r}, now {identity[k]!r}); pass --overwrite to start over"
+                        f"({previous.get(k)!r}, now {identity[k]!r}); {fix}"
                     )
             done = completed_rows(output) if rows is None else completed_rows(output) & rows
             for stale in (output / HIDDEN_DIR).glob(".*.tmp"):  # other shards' files in flight stay

@@ -48,7 +48,7 @@ def test_two_shards_run_separately_equal_one_run(tmp_path, tiny_llama, mixed_con
     lines = [x for x in early.stderr.splitlines() if x.strip()]
     assert early.returncode == 1 and len(lines) == 1 and "shard(s) 1/2" in lines[0], early.stderr
     other = run_cli(*args, "--shard", "1/2", "--dtype", "bfloat16", check=False)  # a different job cannot join
-    assert other.returncode == 1 and "different dtype" in other.stderr
+    assert other.returncode == 1 and "different dtype" in other.stderr and "other shards' settings" in other.stderr
     run_cli(*args, "--shard", "1/2")  # the last shard completes the dataset
     assert_same_output(out, tiny_tp1_out)
     assert "passes every check" in run_cli("verify", str(out)).stdout
