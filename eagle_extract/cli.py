@@ -173,6 +173,15 @@ def main():
     "float32 scale per token), half the bytes of bf16.",
 )
 @click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["speculators", "speculators-legacy"]),
+    default="speculators",
+    show_default=True,
+    help="'speculators-legacy' writes speculators 0.3/0.4's data_{i}.pt files (layer ids translated to that "
+    "version's numbering of layer outputs, recorded in the manifest).",
+)
+@click.option(
     "--no-disk-check",
     is_flag=True,
     help="Start even when the estimated output is larger than the free disk space (e.g. space freed during the run).",
@@ -193,6 +202,7 @@ def extract_command(
     trust_remote_code,
     overwrite,
     storage_dtype,
+    output_format,
     no_disk_check,
     data_format,
     strict,
@@ -233,6 +243,7 @@ def extract_command(
         overwrite=overwrite,
         check_disk=not no_disk_check,
         storage_dtype=storage_dtype,
+        format=output_format,
         decoder_path=decoder_path,
         engine_args=extra,
         data_format=data_format,
@@ -302,6 +313,9 @@ def _summarise(manifest: dict, model: str, output: Path) -> None:
     if manifest["skipped"]:
         click.echo(f"skipped rows and why: {Path(output) / 'skipped_rows.jsonl'}")
     click.echo(f"output: {Path(output).resolve()}")
+    if manifest.get("legacy_layer_ids"):
+        click.echo(f"legacy layer ids (outputs of layers): {manifest['legacy_layer_ids']}")
+        return
     ids = " ".join(map(str, manifest["aux_layer_ids"]))  # speculators takes a space-separated list
     click.echo(
         f"train on it: speculators train --verifier-name-or-path {model} --data-path {output} "

@@ -46,6 +46,7 @@ class ExtractConfig:
     overwrite: bool = False
     check_disk: bool = True
     storage_dtype: str = "model"  # or "fp8": speculators' FP8 layout, half the bytes of bf16
+    format: str = "speculators"  # or "speculators-legacy": speculators 0.3/0.4's data_{i}.pt files
     decoder_path: str | None = None
     engine_args: dict = field(default_factory=dict)
     data_format: str = "auto"
@@ -117,6 +118,13 @@ def check_tp(tp: int, shape: ModelShape) -> None:
 
 
 RUN_FILE = ".eagle_extract_run.json"  # identity of an unfinished run, for resuming
+LEGACY = "speculators-legacy"
+
+
+def legacy_layer_ids(slot_ids: list[int]) -> list[int]:
+    """speculators 0.3/0.4 numbered layer outputs: our id L (the input of layer L, which is the
+    output of layer L-1) is their L-1, and the final slot n (last layer's output) is their n-1."""
+    return [layer - 1 for layer in slot_ids]
 
 
 def run_file(shard: tuple[int, int] | None) -> str:
@@ -177,9 +185,11 @@ def prepare_output(
                         f"--output {output} holds an unfinished run with a different {k} "
                         f"({previous.get(k)!r}, now {identity[k]!r}); {fix}"
                     )
-            done = completed_rows(output) if rows is None else completed_rows(output) & rows
-            for stale in (output / HIDDEN_DIR).glob(".*.tmp"):  # other shards' files in flight stay
-                index = re.fullmatch(r"\.hs_(\d+)\.safetensors\.tmp", stale.name)
+            legacy = identity.get("format") == LEGACY
+            done = completed_rows(output, legacy) if rows is None else completed_rows(output, legacy) & rows
+            stale_files = list((output / HIDDEN_DIR).glob(".*.tmp")) + list(output.glob(".data_*.pt.tmp"))
+            for stale in stale_files:  # other shards' files in flight stay
+                index = re.fullmatch(r"\.(?:hs_|data_)(\d+)\.(?:safetensors|pt)\.tmp", stale.name)
                 if rows is None or (index and int(index.group(1)) in rows):
                     stale.unlink(missing_ok=True)
             tmp = output / f"{own.name}.tmp"
@@ -258,8 +268,8 @@ def _capture(llm, cfg: ExtractConfig, output: Path, aux_ids, shape: ModelShape, 
     from tqdm import tqdm
     from vllm import SamplingParams, TokensPrompt
 
-    fp8 = cfg.storage_dtype == "fp8"
-    installed = llm.collective_rpc("eagle_install", args=(str(output), aux_ids, cfg.decoder_path, fp8))
+    fp8, legacy = cfg.storage_dtype == "fp8", cfg.format == LEGACY
+    installed = llm.collective_rpc("eagle_install", args=(str(output), aux_ids, cfg.decoder_path, fp8, legacy))
     writers = [w for w in installed if w["writes"]]
     if len(writers) != 1 or writers[0]["num_layers"] != shape.num_layers:
         raise ExtractError(f"expected one writing rank hooking {shape.num_layers} layers, got {installed}")
@@ -270,7 +280,8 @@ def _capture(llm, cfg: ExtractConfig, output: Path, aux_ids, shape: ModelShape, 
     with tqdm(total=len(samples), initial=len(done), unit="sample", desc="extract", dynamic_ncols=True) as bar:
         done_tokens = 0
         for batch in _batches(todo, cfg.batch_size):
-            llm.collective_rpc("eagle_expect", args=([(i, s.input_ids) for i, s in batch],))
+            masks = [(i, s.loss_mask) for i, s in batch] if legacy else None
+            llm.collective_rpc("eagle_expect", args=([(i, s.input_ids) for i, s in batch], masks))
             llm.generate([TokensPrompt(prompt_token_ids=s.input_ids) for _, s in batch], params, use_tqdm=False)
             written.update(_drain(llm, wait=False)["written"])
             done_tokens += sum(len(s.input_ids) for _, s in batch)
@@ -363,6 +374,14 @@ def make_plan(cfg: ExtractConfig) -> Plan:
         )
     shape = read_model_shape(cfg.model, cfg.trust_remote_code)
     aux_ids = parse_layer_ids(cfg.layers, shape.num_layers)
+    if cfg.format == LEGACY:
+        if cfg.storage_dtype == "fp8":
+            raise ExtractError("--storage-dtype fp8 is not part of the legacy format; drop one of the two options")
+        if 0 in aux_ids:
+            raise ExtractError(
+                "--layers 0 (the embeddings) has no number in the legacy format, whose ids count layer outputs; "
+                "choose ids from 1"
+            )
     check_tp(cfg.tp, shape)
     if cfg.seq_length < 2:
         raise ExtractError("--seq-length must be at least 2")
@@ -376,6 +395,7 @@ def make_plan(cfg: ExtractConfig) -> Plan:
         "aux_layer_ids": aux_ids,
         "dtype": shape.dtype if cfg.dtype == "auto" else cfg.dtype,
         "storage_dtype": cfg.storage_dtype,
+        "format": cfg.format,
         "seq_length": cfg.seq_length,
         "long_samples": cfg.long_samples,
         "max_samples": cfg.max_samples,
@@ -431,7 +451,7 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         samples, report = plan_samples(plan)
     mine = {i for i, s in enumerate(samples) if shards.owns(plan.shard, s.row)}
     # Size check before anything is created: rows a resumable run already wrote need no room.
-    already = set() if cfg.overwrite else completed_rows(output)
+    already = set() if cfg.overwrite else completed_rows(output, cfg.format == LEGACY)
     todo_tokens = sum(len(samples[i].input_ids) for i in mine - already)
     expected_bytes, free = _check_disk(cfg, output, todo_tokens, _bytes_per_token(plan))
     fresh = cfg.overwrite and not cfg.regenerate  # a regenerating run prepared (and cleared) the folder already
@@ -520,14 +540,15 @@ def merge(output: Path, log=print) -> dict:
 def _complete(plan: Plan, samples, report, runs: list[dict], regenerated) -> dict:
     """Write the dataset files and, last, the manifest: the output now looks complete."""
     cfg, shape, output = plan.cfg, plan.shape, Path(plan.cfg.output)
-    missing = sorted(set(range(len(samples))) - completed_rows(output))
+    legacy = cfg.format == LEGACY
+    missing = sorted(set(range(len(samples))) - completed_rows(output, legacy))
     if missing:
         raise ExtractError(f"{len(missing)} rows have no hidden-state file (first: row {missing[0]}); rerun to finish")
     write_dataset(output, [s.input_ids for s in samples], [s.loss_mask for s in samples])
     dtype = plan.identity["dtype"]
     extract_s = max(r["extract_s"] for r in runs)
     manifest = {
-        "format": "speculators-offline",
+        "format": LEGACY if legacy else "speculators-offline",
         "identity": plan.identity,
         "config": _config_record(cfg),
         "model": str(cfg.model),
@@ -535,6 +556,7 @@ def _complete(plan: Plan, samples, report, runs: list[dict], regenerated) -> dic
         "final_layer_id": shape.num_layers,
         "slot_layer_ids": plan.aux_ids + [shape.num_layers],
         "layer_convention": CONVENTION,
+        "legacy_layer_ids": legacy_layer_ids(plan.aux_ids + [shape.num_layers]) if legacy else None,
         "dtype": dtype,
         "storage_dtype": "float8_e4m3fn" if cfg.storage_dtype == "fp8" else dtype,
         "hidden_size": shape.hidden_size,
@@ -558,7 +580,7 @@ def _complete(plan: Plan, samples, report, runs: list[dict], regenerated) -> dic
             "extract_s": extract_s,
             "tokens_per_s": round(sum(r["tokens"] for r in runs) / extract_s, 1) if extract_s else 0.0,
         },
-        "bytes_written": sum(hidden_state_path(output, i).stat().st_size for i in range(len(samples))),
+        "bytes_written": sum(hidden_state_path(output, i, legacy).stat().st_size for i in range(len(samples))),
         "versions": _versions(),
     }
     _write_skip_report(output, report)
@@ -579,7 +601,7 @@ def repair(output: Path, rows: list[int], log=print) -> dict:
     output = Path(output)
     manifest = read_manifest(output)
     for i in rows:
-        hidden_state_path(output, i).unlink(missing_ok=True)
+        hidden_state_path(output, i, manifest["format"] == LEGACY).unlink(missing_ok=True)
     tmp = output / f"{RUN_FILE}.tmp"
     tmp.write_text(json.dumps(manifest["identity"], indent=2))
     os.replace(tmp, output / RUN_FILE)  # the output is an unfinished run again ...

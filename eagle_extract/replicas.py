@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .engine import cpu_thread_binding
-from .extract import RUN_FILE, ExtractConfig, ExtractError, make_plan, merge, plan_samples, prepare_output, run
+from .extract import LEGACY, RUN_FILE, ExtractConfig, ExtractError, make_plan, merge, plan_samples, prepare_output, run
 from .shards import SHARDS_DIR
 from .writer import MANIFEST, completed_rows, read_manifest
 
@@ -58,6 +58,7 @@ def run_replicas(cfg: ExtractConfig, dp: int, log=print) -> dict:
     prepare_output(output, plan.identity, cfg.overwrite)  # clears the folder once when asked to
     (output / RUN_FILE).unlink()
     (output / SHARDS_DIR).mkdir(exist_ok=True)
+    legacy = cfg.format == LEGACY
     procs = []
     try:
         for k, part in enumerate(slices):
@@ -85,9 +86,9 @@ def run_replicas(cfg: ExtractConfig, dp: int, log=print) -> dict:
                         f"replica {k} failed ({_last_line(log_path)}); every completed row is kept: "
                         "rerun the same command to resume"
                     )
-                bar.update(len(completed_rows(output)) - bar.n)
+                bar.update(len(completed_rows(output, legacy)) - bar.n)
                 time.sleep(1)
-            bar.update(len(completed_rows(output)) - bar.n)
+            bar.update(len(completed_rows(output, legacy)) - bar.n)
         failed = [k for k, p in enumerate(procs) if p.returncode != 0]
         if failed:
             k = failed[0]

@@ -1,6 +1,6 @@
 """`eagle-extract verify DIR`: check an output against its manifest, file by file.
 
-Finds missing, truncated or unreadable hidden-state files, wrong shapes or dtypes,
+Finds missing, truncated or unreadable hidden-state files (either layout), wrong shapes or dtypes,
 `token_ids` that differ from the row's `input_ids`, NaN/Inf values, stray files, and a
 `token_freq.pt` that does not match the rows.
 """
@@ -23,6 +23,26 @@ from .writer import (
 )
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float8_e4m3fn": FP8}
+
+
+def check_legacy_row(output: Path, index: int, row: dict, slots: int, hidden: int, dtype) -> str | None:
+    """The problem with row `index`'s data_{i}.pt (speculators 0.3/0.4 layout), or None."""
+    path = hidden_state_path(output, index, legacy=True)
+    if not path.exists():
+        return "data file missing"
+    try:
+        sample = torch.load(path, weights_only=True)
+        states, ids, mask = sample["hidden_states"], sample["input_ids"], sample["loss_mask"]
+    except Exception as exc:
+        return f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})"
+    if not torch.equal(ids, row["input_ids"]) or not torch.equal(mask, row["loss_mask"]):
+        return "input_ids or loss_mask differ from the dataset row"
+    expected = (len(ids), hidden)
+    if len(states) != slots or any(tuple(t.shape) != expected or t.dtype != dtype for t in states):
+        return f"hidden_states is not {slots} tensors of {expected} {dtype}"
+    if not all(torch.isfinite(t).all() for t in states):
+        return "hidden_states hold NaN or Inf"
+    return None
 
 
 def check_row(output: Path, index: int, input_ids: torch.Tensor, slots: int, hidden: int, dtype) -> str | None:
@@ -72,17 +92,23 @@ def verify(output: Path, progress: bool = True) -> list[tuple[int | None, str]]:
     if len(rows) != manifest["num_samples"]:
         problems.append((None, f"dataset has {len(rows)} rows, manifest says {manifest['num_samples']}"))
     stored = manifest.get("storage_dtype", manifest["dtype"])
+    legacy = manifest.get("format") == "speculators-legacy"
     slots, hidden, dtype = len(manifest["slot_layer_ids"]), manifest["hidden_size"], DTYPES[stored]
     ids_all, masks_all = [], []
     for i in tqdm(range(len(rows)), desc="verify", unit="row", disable=not progress):
         row = rows[i]
         ids_all.append(row["input_ids"].tolist())
         masks_all.append(row["loss_mask"].tolist())
-        problem = check_row(output, i, row["input_ids"], slots, hidden, dtype)
+        if legacy:
+            problem = check_legacy_row(output, i, row, slots, hidden, dtype)
+        else:
+            problem = check_row(output, i, row["input_ids"], slots, hidden, dtype)
         if problem:
             problems.append((i, problem))
     problems += [
-        (i, "stray hidden-state file beyond the last row") for i in sorted(completed_rows(output)) if i >= len(rows)
+        (i, "stray hidden-state file beyond the last row")
+        for i in sorted(completed_rows(output, legacy))
+        if i >= len(rows)
     ]
     try:
         freq = torch.load(output / "token_freq.pt")

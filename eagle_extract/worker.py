@@ -24,7 +24,7 @@ class HiddenStateExtension:
     """Per-worker capture state lives in `self._eagle` (vLLM never calls an extension's __init__)."""
 
     def eagle_install(
-        self, output: str, aux_ids: list[int], decoder_path: str | None = None, fp8: bool = False
+        self, output: str, aux_ids: list[int], decoder_path: str | None = None, fp8: bool = False, legacy: bool = False
     ) -> dict:
         """Hook the decoder on the one rank per TP group that writes; other ranks stay hook-free."""
         stack = find_decoder(self.get_model(), decoder_path)
@@ -38,16 +38,20 @@ class HiddenStateExtension:
         }
         writes = info["tp_rank"] == 0
         if writes:
-            writer = BackgroundWriter(output, fp8=fp8)
+            writer = BackgroundWriter(output, fp8=fp8, legacy=legacy)
             capture = StepCapture(stack, aux_ids, writer.submit)
             capture.install()
             self._eagle = (capture, writer)
         return {**info, "writes": writes}
 
-    def eagle_expect(self, rows: list[tuple[int, list[int]]]) -> None:
-        """Announce the rows of the next generate call: (dataset row index, prompt token ids)."""
+    def eagle_expect(self, rows: list[tuple[int, list[int]]], loss_masks: list | None = None) -> None:
+        """Announce the rows of the next generate call: (dataset row index, prompt token ids), and
+        for the legacy format, whose files carry it, each row's loss mask."""
         if getattr(self, "_eagle", None):
-            self._eagle[0].expect(rows)
+            capture, writer = self._eagle
+            if loss_masks:
+                writer.expect_loss_masks(loss_masks)
+            capture.expect(rows)
 
     def eagle_drain(self, wait: bool = True) -> dict | None:
         """Report rows written, errors and capture stats; `wait` until capture and disk have caught up."""

@@ -5,6 +5,9 @@
     DIR/hidden_states/hs_{i}.safetensors   hidden_states [T, K, H], token_ids int64 [T]
     DIR/eagle_extract.json     manifest, written last: its presence marks the output complete
 
+With `--format speculators-legacy` (speculators 0.3/0.4) each row is instead DIR/data_{i}.pt,
+a torch.save'd {"input_ids", "hidden_states": [K tensors of [T, H]], "loss_mask"}.
+
 Every file is written under a dot-prefixed temporary name and renamed into place, so a
 crash never leaves a partial file under a final name.
 """
@@ -29,7 +32,9 @@ HIDDEN_DIR = "hidden_states"
 MANIFEST = "eagle_extract.json"
 
 
-def hidden_state_path(output: Path, index: int) -> Path:
+def hidden_state_path(output: Path, index: int, legacy: bool = False) -> Path:
+    if legacy:
+        return Path(output) / f"data_{index}.pt"
     return Path(output) / HIDDEN_DIR / f"hs_{index}.safetensors"
 
 
@@ -53,25 +58,39 @@ def to_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (wide / scale).to(FP8), scale
 
 
+def _save_atomically(path: Path, save, nbytes: int) -> None:
+    """save(tmp) then rename: a final name only ever holds a whole file; ENOSPC becomes one line."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        save(tmp)
+        os.replace(tmp, path)
+    except Exception as exc:
+        tmp.unlink(missing_ok=True)
+        if _is_disk_full(exc):
+            raise OSError(errno.ENOSPC, _disk_full_message(path, nbytes)) from None
+        raise
+
+
 def write_hidden_states(
     output: Path, index: int, hidden: torch.Tensor, token_ids: list[int], fp8: bool = False
 ) -> None:
-    """Write one row's file atomically, in the model dtype or (fp8) quantised with per-token scales."""
-    path = hidden_state_path(output, index)
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Write one row's file, in the model dtype or (fp8) quantised with per-token scales."""
     tensors = {"token_ids": torch.tensor(token_ids, dtype=torch.int64)}
     if fp8:
         tensors["hidden_states"], tensors[SCALES] = to_fp8(hidden)
     else:
         tensors["hidden_states"] = hidden.contiguous()
-    try:
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
-    except Exception as exc:
-        tmp.unlink(missing_ok=True)
-        if _is_disk_full(exc):
-            raise OSError(errno.ENOSPC, _disk_full_message(path, hidden.nbytes)) from None
-        raise
+    _save_atomically(hidden_state_path(output, index), lambda tmp: save_file(tensors, str(tmp)), hidden.nbytes)
+
+
+def write_legacy(output: Path, index: int, hidden: torch.Tensor, token_ids: list[int], loss_mask: list[int]) -> None:
+    """Write one row as speculators 0.3/0.4's data_{i}.pt: one [T, H] tensor per slot."""
+    sample = {
+        "input_ids": torch.tensor(token_ids, dtype=torch.long),
+        "hidden_states": [hidden[:, k].clone() for k in range(hidden.shape[1])],
+        "loss_mask": torch.tensor(loss_mask, dtype=torch.long),
+    }
+    _save_atomically(hidden_state_path(output, index, True), lambda tmp: torch.save(sample, tmp), hidden.nbytes)
 
 
 def _is_disk_full(exc: Exception) -> bool:
@@ -88,9 +107,13 @@ class BackgroundWriter:
     instead of letting captured tensors pile up in memory.
     """
 
-    def __init__(self, output: Path, fp8: bool = False, threads: int = 2, max_pending: int = 64) -> None:
+    def __init__(
+        self, output: Path, fp8: bool = False, legacy: bool = False, threads: int = 2, max_pending: int = 64
+    ) -> None:
         self.output = Path(output)
         self.fp8 = fp8
+        self.legacy = legacy
+        self.loss_masks: dict[int, list[int]] = {}  # legacy files carry the mask; filled by the driver
         (self.output / HIDDEN_DIR).mkdir(parents=True, exist_ok=True)
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._lock = threading.Lock()
@@ -99,6 +122,10 @@ class BackgroundWriter:
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
         for t in self._threads:
             t.start()
+
+    def expect_loss_masks(self, masks: list[tuple[int, list[int]]]) -> None:
+        with self._lock:
+            self.loss_masks.update(masks)
 
     def submit(self, index: int, hidden: torch.Tensor, token_ids: list[int]) -> None:
         self._queue.put((index, hidden, token_ids))
@@ -113,7 +140,12 @@ class BackgroundWriter:
                 if self.errors:  # after a failure keep draining, write nothing more
                     continue
                 try:
-                    write_hidden_states(self.output, index, hidden, token_ids, self.fp8)
+                    if self.legacy:
+                        with self._lock:
+                            mask = self.loss_masks.pop(index)
+                        write_legacy(self.output, index, hidden, token_ids, mask)
+                    else:
+                        write_hidden_states(self.output, index, hidden, token_ids, self.fp8)
                 except Exception as exc:  # reported to the driver by drain()
                     why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                     with self._lock:
@@ -140,12 +172,13 @@ class BackgroundWriter:
             t.join()
 
 
-def completed_rows(output: Path) -> set[int]:
+def completed_rows(output: Path, legacy: bool = False) -> set[int]:
     """Rows whose hidden-state file is complete (a final name is only ever a whole file)."""
-    folder = Path(output) / HIDDEN_DIR
+    folder = Path(output) if legacy else Path(output) / HIDDEN_DIR
     if not folder.is_dir():
         return set()
-    names = (re.fullmatch(r"hs_(\d+)\.safetensors", p.name) for p in folder.iterdir())
+    pattern = r"data_(\d+)\.pt" if legacy else r"hs_(\d+)\.safetensors"
+    names = (re.fullmatch(pattern, p.name) for p in folder.iterdir())
     return {int(m.group(1)) for m in names if m}
 
 

@@ -74,6 +74,16 @@ def _cases(tmp, model):
             ["--data", _write(tmp / "rows.jsonl", json.dumps(ok) + "\n{oops\n"), "--strict"],
             "rows.jsonl line 2: malformed JSON line",
         ),
+        (
+            "layer 0 in the legacy format",
+            ["--format", "speculators-legacy", "--layers", "0,15"],
+            "--layers 0 (the embeddings) has no number in the legacy format",
+        ),
+        (
+            "fp8 in the legacy format",
+            ["--format", "speculators-legacy", "--storage-dtype", "fp8"],
+            "--storage-dtype fp8 is not part of the legacy format",
+        ),
         ("a shard that does not exist", ["--shard", "2/2"], "--shard 2/2: expected I/N with 0 <= I < N"),
         ("--overwrite with --shard", ["--shard", "0/2", "--overwrite"], "--overwrite cannot be combined with --shard"),
         (
