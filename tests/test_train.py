@@ -1,0 +1,53 @@
+"""The training stage on the CPU: speculators builds the draft from our manifest, vLLM runs it.
+
+speculators' trainer needs an accelerator for real steps, so the CPU test uses its own
+`--dry-run` (the draft built and saved untrained); vLLM then serves it as an EAGLE-3 draft.
+Greedy speculative decoding must give the text plain decoding gives.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+TRAIN = Path(__file__).resolve().parents[1] / "train"
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TRAIN / name), *args], capture_output=True, text=True)
+
+
+def test_draft_takes_the_extracted_layers_and_vllm_serves_it(tmp_path, smollm2_bf16_out):
+    manifest = json.loads((smollm2_bf16_out / "eagle_extract.json").read_text())
+    draft = tmp_path / "draft"
+    proc = run_script("train_draft.py", str(smollm2_bf16_out), "--save-path", str(draft), "--draft-vocab-size", "2048",
+                      "--dry-run")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.loads((draft / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == manifest["aux_layer_ids"] == [2, 15, 27]
+    assert config["draft_vocab_size"] == 2048
+    assert config["speculators_config"]["verifier"]["name_or_path"] == manifest["model"]
+
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in ["Name three colours.", "What is 2+2?"]))
+    out = tmp_path / "check.json"
+    args = ["--verifier", manifest["model"], "--draft", str(draft), "--prompts", str(prompts), "--max-tokens", "24"]
+    proc = run_script("check_draft.py", *args, "--modes", "plain,eagle3", "--engine-arg", 'dtype="float32"',
+                      "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain, eagle = json.loads(out.read_text())["results"]
+    assert eagle["drafts"] > 0 and eagle["mean_acceptance_length"] >= 1.0  # the draft was asked every step
+    assert eagle["texts"] == plain["texts"] and all(plain["texts"])
+
+
+def test_outputs_the_trainer_cannot_read_are_refused_in_one_line(tmp_path):
+    proc = run_script("train_draft.py", str(tmp_path), "--save-path", str(tmp_path / "d"))
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"Error: {tmp_path} is not a complete eagle-extract output (no eagle_extract.json); finish it or check it "
+        f"with `eagle-extract verify {tmp_path}`"
+    ]
+    (tmp_path / "eagle_extract.json").write_text(json.dumps({"format": "speculators-legacy"}))
+    proc = run_script("train_draft.py", str(tmp_path), "--save-path", str(tmp_path / "d"))
+    assert proc.returncode == 1 and "extract again without --format speculators-legacy" in proc.stderr

@@ -1,0 +1,127 @@
+"""Measure a trained EAGLE-3 draft in vLLM: acceptance length and decode speed-up.
+
+    python train/check_draft.py --verifier V --draft D --prompts prompts.jsonl [--num-spec 3]
+        [--max-tokens 256] [--modes plain,eagle3,ngram] [--json OUT.json] [--engine-arg KEY=VALUE ...]
+
+Runs the same held-out prompts (JSONL rows with "turns" or "messages"; the first user turn is
+asked) through vLLM once per mode, greedy: `plain` (no speculation), `eagle3` (the draft) and
+`ngram` (prompt-lookup speculation), each engine started with the same arguments.  Prints one
+table: output tokens/s, speed-up over plain, mean acceptance length (accepted draft tokens per
+verification step plus the bonus token) and whether the text equals plain decoding's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+
+def first_questions(path: Path, limit: int | None) -> list[list[dict]]:
+    chats = []
+    for line in Path(path).open(encoding="utf-8"):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "turns" in row:
+            question = row["turns"][0]
+        else:
+            question = next(m["content"] for m in row["messages"] if m["role"] == "user")
+        chats.append([{"role": "user", "content": question}])
+    return chats[:limit]
+
+
+def speculative_config(mode: str, draft: str | None, num_spec: int) -> dict | None:
+    if mode == "plain":
+        return None
+    if mode == "eagle3":
+        return {"method": "eagle3", "model": draft, "num_speculative_tokens": num_spec}
+    if mode == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": num_spec, "prompt_lookup_max": 4}
+    raise SystemExit(f"Error: unknown mode {mode}; use plain, eagle3 or ngram")
+
+
+def _counter(metrics, name: str) -> float:
+    return sum(getattr(m, "value", 0) or 0 for m in metrics if m.name == name)
+
+
+def run_mode(mode: str, opts, chats) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=opts.verifier,
+        enforce_eager=True,
+        disable_log_stats=False,
+        max_model_len=opts.max_model_len,
+        speculative_config=speculative_config(mode, opts.draft, opts.num_spec),
+        **opts.engine_args,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=opts.max_tokens)
+    llm.chat(chats[:2], params, use_tqdm=False)  # warm-up
+    before = llm.get_metrics()
+    t0 = time.perf_counter()
+    outs = llm.chat(chats, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    after = llm.get_metrics()
+    drafts = _counter(after, "vllm:spec_decode_num_drafts") - _counter(before, "vllm:spec_decode_num_drafts")
+    accepted = _counter(after, "vllm:spec_decode_num_accepted_tokens") - _counter(
+        before, "vllm:spec_decode_num_accepted_tokens"
+    )
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    del llm
+    gc.collect()
+    return {
+        "mode": mode,
+        "output_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "drafts": int(drafts),
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+        "texts": [o.outputs[0].text for o in outs],
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--verifier", required=True)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--prompts", type=Path, required=True)
+    ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    ap.add_argument("--num-spec", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--modes", default="plain,eagle3,ngram")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--json", type=Path, default=None)
+    opts = ap.parse_args(argv)
+    opts.engine_args = {k: json.loads(v) for k, v in (a.split("=", 1) for a in opts.engine_arg)}
+    chats = first_questions(opts.prompts, opts.limit)
+    results = [run_mode(mode, opts, chats) for mode in opts.modes.split(",")]
+    plain = next((r for r in results if r["mode"] == "plain"), None)
+    print("| mode | output tok/s | speed-up | mean acceptance length | same text as plain |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        r["speedup"] = round(r["tokens_per_s"] / plain["tokens_per_s"], 3) if plain else None
+        r["same_text_as_plain"] = r["texts"] == plain["texts"] if plain else None
+        print(
+            f"| {r['mode']} | {r['tokens_per_s']:,.1f} | {r['speedup']} | {r['mean_acceptance_length']} | "
+            f"{r['same_text_as_plain']} |"
+        )
+    if opts.json:
+        opts.json.write_text(
+            json.dumps(
+                {
+                    "args": {**vars(opts), "prompts": str(opts.prompts), "json": None, "engine_args": opts.engine_args},
+                    "results": results,
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    return results
+
+
+if __name__ == "__main__":
+    main()
