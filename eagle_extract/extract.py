@@ -492,13 +492,14 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         manifest = _complete(plan, samples, report, [this_run], regenerated)
         (output / RUN_FILE).unlink()
         return manifest
-    summary = {"shard": cfg.shard, "identity": plan.identity, "config": _config_record(cfg), **this_run}
+    summary = {"shard": cfg.shard, "identity": plan.identity, "config": config_record(cfg), **this_run}
     shards.record_finished(output, plan.shard, summary)
     (output / run_file(plan.shard)).unlink()
     return _complete_if_last(plan, samples, report, summary, log)
 
 
-def _config_record(cfg: ExtractConfig) -> dict:
+def config_record(cfg: ExtractConfig) -> dict:
+    """The config as plain JSON data, as the manifest records it (and a --dp replica receives it)."""
     return {**asdict(cfg), "data": str(cfg.data), "output": str(cfg.output), "overwrite": False}
 
 
@@ -550,7 +551,7 @@ def _complete(plan: Plan, samples, report, runs: list[dict], regenerated) -> dic
     manifest = {
         "format": LEGACY if legacy else "speculators-offline",
         "identity": plan.identity,
-        "config": _config_record(cfg),
+        "config": config_record(cfg),
         "model": str(cfg.model),
         "aux_layer_ids": plan.aux_ids,
         "final_layer_id": shape.num_layers,

@@ -18,7 +18,18 @@ from dataclasses import replace
 from pathlib import Path
 
 from .engine import cpu_thread_binding
-from .extract import LEGACY, RUN_FILE, ExtractConfig, ExtractError, make_plan, merge, plan_samples, prepare_output, run
+from .extract import (
+    LEGACY,
+    RUN_FILE,
+    ExtractConfig,
+    ExtractError,
+    config_record,
+    make_plan,
+    merge,
+    plan_samples,
+    prepare_output,
+    run,
+)
 from .shards import SHARDS_DIR
 from .writer import MANIFEST, completed_rows, read_manifest
 
@@ -62,40 +73,32 @@ def run_replicas(cfg: ExtractConfig, dp: int, log=print) -> dict:
     procs = []
     try:
         for k, part in enumerate(slices):
-            child = replace(cfg, shard=f"{k}/{dp}", overwrite=False)
-            config = {**child.__dict__, "data": str(child.data), "output": str(child.output)}
-            logfile = open(output / SHARDS_DIR / f"{k}-of-{dp}.log", "w")
+            config = config_record(replace(cfg, shard=f"{k}/{dp}"))
             cores = part.get("cores")
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "eagle_extract.replicas", json.dumps(config)],
-                    env={**os.environ, **part["env"], "TQDM_DISABLE": "1"},
-                    stdout=logfile,
-                    stderr=subprocess.STDOUT,
-                    preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)) if cores else None,
+            with open(output / SHARDS_DIR / f"{k}-of-{dp}.log", "w") as logfile:  # the child keeps its own handle
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "eagle_extract.replicas", json.dumps(config)],
+                        env={**os.environ, **part["env"], "TQDM_DISABLE": "1"},
+                        stdout=logfile,
+                        stderr=subprocess.STDOUT,
+                        preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)) if cores else None,
+                    )
                 )
-            )
         log(f"{dp} replicas started ({', '.join(str(p.pid) for p in procs)}); logs in {output / SHARDS_DIR}")
         with tqdm(total=len(samples), unit="sample", desc=f"extract x{dp}", dynamic_ncols=True) as bar:
-            while any(p.poll() is None for p in procs):
-                failed = [k for k, p in enumerate(procs) if p.returncode not in (None, 0)]
+            while True:
+                bar.update(len(completed_rows(output, legacy)) - bar.n)
+                failed = [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]
                 if failed:
                     k = failed[0]
-                    log_path = output / SHARDS_DIR / f"{k}-of-{dp}.log"
                     raise ExtractError(
-                        f"replica {k} failed ({_last_line(log_path)}); every completed row is kept: "
-                        "rerun the same command to resume"
+                        f"replica {k} failed ({_last_line(output / SHARDS_DIR / f'{k}-of-{dp}.log')}); "
+                        "every completed row is kept: rerun the same command to resume"
                     )
-                bar.update(len(completed_rows(output, legacy)) - bar.n)
+                if all(p.returncode == 0 for p in procs):
+                    break
                 time.sleep(1)
-            bar.update(len(completed_rows(output, legacy)) - bar.n)
-        failed = [k for k, p in enumerate(procs) if p.returncode != 0]
-        if failed:
-            k = failed[0]
-            raise ExtractError(
-                f"replica {k} failed ({_last_line(output / SHARDS_DIR / f'{k}-of-{dp}.log')}); "
-                "every completed row is kept: rerun the same command to resume"
-            )
     finally:
         for p in procs:
             if p.poll() is None:
