@@ -4,8 +4,9 @@
 
 The engine is started once with eagle-extract's settings (eager, no prefix caching, the worker
 extension). Each repetition runs (a) plain `generate(max_tokens=1)` with no hooks installed,
-then (b) the same prompts with hooks installed and every file written and flushed to disk.
-a and b alternate, so drift (thermal, page cache) hits both. Prints one table: tokens/s
+then (b) the same prompts with hooks installed and every file written and flushed to disk,
+and with --builtin (d) vLLM's own extract_hidden_states on a second engine beside the first.
+a, b and d alternate, so drift (thermal, page cache) hits both. Prints one table: tokens/s
 (median, min, max), the b/a ratio (median of per-repetition ratios), bytes per token,
 GB/s written and the peak resident memory of the whole process tree.
 """
@@ -16,6 +17,7 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -58,9 +60,15 @@ def transformers_baseline(args, prompts: list[list[int]], slots: list[int]) -> l
     """(c) The approach of the original EAGLE scripts: batched transformers forward passes with
     output_hidden_states, keeping the same slots on the host. Forward only, no disk: generous to c."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    dtype, device = getattr(torch, args.dtype), "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dummy:  # random weights, as vLLM's load_format=dummy; built on the device directly
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
+    model.eval()
     norm_input = {}
     model.model.norm.register_forward_pre_hook(lambda m, a: norm_input.__setitem__("x", a[0]))
     n = model.config.get_text_config().num_hidden_layers
@@ -69,12 +77,66 @@ def transformers_baseline(args, prompts: list[list[int]], slots: list[int]) -> l
         for _ in range(args.reps):
             t = time.perf_counter()
             for start in range(0, len(prompts), args.hf_batch):
-                out = model(torch.tensor(prompts[start : start + args.hf_batch]), output_hidden_states=True)
+                ids = torch.tensor(prompts[start : start + args.hf_batch], device=device)
+                out = model(ids, output_hidden_states=True)
                 kept = [norm_input["x"] if i == n else out.hidden_states[i] for i in slots]
                 torch.stack(kept, dim=2).cpu()
             rates.append(len(prompts) * args.prompt_len / (time.perf_counter() - t))
-    del model
+    del model, out, kept
+    if device == "cuda":
+        torch.cuda.empty_cache()  # give the memory back before vLLM measures what it may take
     return rates
+
+
+def builtin_engine(args, slots: list[int], store: Path, extra: dict):
+    """(d) vLLM's own `extract_hidden_states` method with `ExampleHiddenStatesConnector` (GPU only):
+    the same slots (vLLM's ids count layer outputs, so the final slot is the layer count)."""
+    from vllm import LLM
+
+    return LLM(
+        model=args.model,
+        tensor_parallel_size=args.tp,
+        dtype=args.dtype,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,  # the connector refuses chunked prefill
+        max_model_len=args.prompt_len + 1,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": slots}},
+        },
+        kv_transfer_config={
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(store)},
+        },
+        **extra,
+    )
+
+
+def wait_for_files(outputs) -> None:
+    """Block until the connector's writer threads have finished every file (its per-file flock)."""
+    import fcntl
+
+    for out in outputs:
+        path = (out.kv_transfer_params or {}).get("hidden_states_path")
+        if path:
+            with open(path + ".lock") as lock:
+                fcntl.flock(lock, fcntl.LOCK_SH)
+
+
+def gpu_memory() -> str | None:
+    """Used / total memory of each visible GPU while the engines hold theirs (nvidia-smi)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    pairs = (line.split(",") for line in out.splitlines())
+    return "; ".join(f"{int(used) / 1024:.1f}/{int(total) / 1024:.1f} GiB" for used, total in pairs)
 
 
 def stats(values: list[float]) -> str:
@@ -98,6 +160,11 @@ def main() -> None:
         action="store_true",
         help="also time (c): transformers output_hidden_states on the same prompts, before vLLM starts",
     )
+    ap.add_argument(
+        "--builtin",
+        action="store_true",
+        help="also time (d): vLLM's extract_hidden_states + ExampleHiddenStatesConnector, a second engine (GPU)",
+    )
     ap.add_argument("--hf-batch", type=int, default=8, help="batch size of the transformers baseline")
     args = ap.parse_args()
 
@@ -119,6 +186,8 @@ def main() -> None:
     extra = {"skip_tokenizer_init": True}
     if args.dummy:
         extra["load_format"] = "dummy"
+    if args.builtin:  # two engines side by side on the same GPUs
+        extra["gpu_memory_utilization"] = 0.42
     with PeakRSS() as mem:
         t0 = time.perf_counter()
         llm = start_engine(args.model, tp=args.tp, dtype=args.dtype, max_model_len=args.prompt_len + 1, extra=extra)
@@ -126,7 +195,11 @@ def main() -> None:
         params = SamplingParams(max_tokens=1, detokenize=False)
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         llm.generate(batch[:8], params, use_tqdm=False)  # warm-up
-        plain, capture, written = [], [], []
+        store = args.out.with_name(args.out.name + "-builtin")
+        builtin = builtin_engine(args, aux + [text.num_hidden_layers], store, extra) if args.builtin else None
+        if builtin:
+            builtin.generate(batch[:8], params, use_tqdm=False)
+        plain, capture, written, vllm_own, vllm_written = [], [], [], [], []
         for rep in range(args.reps):
             t = time.perf_counter()
             llm.generate(batch, params, use_tqdm=False)
@@ -142,10 +215,24 @@ def main() -> None:
             llm.collective_rpc("eagle_remove")
             assert not reports[0]["errors"] and len(reports[0]["written"]) == args.prompts, reports[0]["errors"]
             written.append(sum(f.stat().st_size for f in (args.out / "hidden_states").iterdir()))
+            if builtin:
+                shutil.rmtree(store, ignore_errors=True)
+                store.mkdir(parents=True)
+                t = time.perf_counter()
+                wait_for_files(builtin.generate(batch, params, use_tqdm=False))
+                vllm_own.append(tokens / (time.perf_counter() - t))
+                vllm_written.append(sum(f.stat().st_size for f in store.glob("*.safetensors")))
+        held = gpu_memory()
     ratios = [b / a for a, b in zip(plain, capture)]
     figures_hf = (
         {"transformers_tok_s": hf, "b_over_c": statistics.median(capture) / statistics.median(hf)} if hf else {}
     )
+    if vllm_own:
+        figures_hf.update(
+            vllm_builtin_tok_s=vllm_own,
+            b_over_d=statistics.median(capture) / statistics.median(vllm_own),
+            builtin_bytes_per_token=vllm_written[-1] / tokens,
+        )
     per_token = written[-1] / tokens
     figures = {
         "model": args.model,
@@ -163,6 +250,7 @@ def main() -> None:
         "bytes_per_token": per_token,
         "write_GBps": statistics.median(capture) * per_token / 1e9,
         "peak_rss_GiB": mem.peak / 2**30,
+        "gpu_memory": held,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         **figures_hf,
     }
@@ -173,6 +261,9 @@ def main() -> None:
     if hf:
         print(f"| c: transformers output_hidden_states, batch {args.hf_batch}, no disk | {stats(hf)} |")
         print(f"b/c {figures_hf['b_over_c']:.2f}")
+    if vllm_own:
+        print(f"| d: vLLM extract_hidden_states + ExampleHiddenStatesConnector, files written | {stats(vllm_own)} |")
+        print(f"b/d {figures_hf['b_over_d']:.3f}; d wrote {figures_hf['builtin_bytes_per_token']:,.0f} B/token")
     print(
         f"b/a median {statistics.median(ratios):.3f} (per-rep {', '.join(f'{r:.3f}' for r in ratios)}); "
         f"{per_token:,.0f} B/token; {figures['write_GBps']:.2f} GB/s written; "

@@ -15,6 +15,8 @@ Runs on a machine with vLLM (GPU build) installed, from the repository root:
    weights saved to disk so every run loads the same tensors), float32 (IEEE, not TF32):
    TP=1 against transformers float32 on the GPU, and TP=2 against TP=1.
 6. with two GPUs, `dp`: --dp 2 (one replica per GPU) against one engine;
+7. with two GPUs, `kimi`: Kimi-K2.5's text widths with 6 layers, dummy weights, TP=2: the CLI run
+   (verify, [T, 4, 7168] rows) and extraction against plain prefill.
 
 Prints one table and writes it, with every figure, to OUT/gpu_checks.json.
 """
@@ -275,6 +277,58 @@ def dp_checks(work: Path, data: Path) -> None:
     check("--dp 2 equals one engine, one replica per GPU", same)
 
 
+def kimi_checks(work: Path, data: Path, layers: int = 6) -> None:
+    """Kimi-K2.5's text model at its published widths (benchmarks/configs/kimi-k2.5-text: DeepSeek-V3
+    architecture, MLA, 384 experts top-8 + 1 shared) with `layers` of its 61 layers and dummy bf16
+    weights, TP=2, run through the CLI as users run it, then timed against plain prefill."""
+    from eagle_extract.smollm2 import ensure_smollm2
+
+    config = json.loads((REPO / "benchmarks/configs/kimi-k2.5-text/config.json").read_text())
+    model = work / f"kimi-k2.5-text-{layers}l"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    copy_tokenizer(ensure_smollm2(work / "cache"), model)  # ids < 163,840; the weights are random anyway
+    out, aux = work / "kimi-tp2", "1,2,4"
+    dummy = ["--engine-arg", "load_format=dummy"]
+
+    def cli_run():
+        t0 = time.perf_counter()
+        rc, log = extract(model, data, out, "--tp", "2", "--layers", aux, "--dtype", "bfloat16", *dummy, gpus="0,1")
+        if rc != 0:
+            raise RuntimeError(log)
+        manifest = json.loads((out / "eagle_extract.json").read_text())
+        row = load_row(out, 0)["hidden_states"]
+        verify = subprocess.run([sys.executable, "-m", "eagle_extract", "verify", str(out)], capture_output=True,
+                                text=True, cwd=REPO)  # fmt: skip
+        slots = manifest["slot_layer_ids"]
+        ok = verify.returncode == 0 and tuple(row.shape[1:]) == (4, 7168) and slots == [1, 2, 4, layers]
+        return ok, (
+            f"{time.perf_counter() - t0:.0f} s end to end; row 0 {list(row.shape)} {row.dtype}; slots {slots}; "
+            f"verify: {verify.stdout.strip().splitlines()[-1] if verify.stdout.strip() else verify.stderr[-300:]}"
+        )
+
+    check(f"kimi-k2.5 text widths, {layers} layers, dummy bf16, TP=2, CLI + verify", cli_run)
+
+    def bench():
+        figures = work / "kimi-bench.json"
+        cmd = [sys.executable, "benchmarks/throughput.py", "--model", str(model), "--dummy", "--tp", "2", "--layers",
+               aux, "--prompts", "64", "--prompt-len", "2048", "--reps", "3", "--out", str(work / "kimi-bench"),
+               "--json", str(figures)]  # fmt: skip
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1", "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+        if proc.returncode != 0:
+            raise RuntimeError((proc.stdout + proc.stderr)[-3000:])
+        f = json.loads(figures.read_text())
+        return True, (
+            f"b/a {sorted(f['ratios'])[1]:.3f} ({min(f['ratios']):.3f}-{max(f['ratios']):.3f}); plain "
+            f"{sorted(f['plain_tok_s'])[1]:,.0f} tok/s; {f['bytes_per_token']:,.0f} B/token; "
+            f"{f['write_GBps']:.2f} GB/s; peak RSS {f['peak_rss_GiB']:.1f} GiB; start {f['engine_start_s']} s; "
+            f"GPU memory {f.get('gpu_memory', '?')}"
+        )
+
+    check(f"kimi-k2.5 text widths, {layers} layers, TP=2: extract vs plain prefill", bench)
+
+
 def copy_checks() -> None:
     def fn():
         rows, equal = capture_vs_synchronous(DEVICE, hidden=4096, layers=8, steps=8, step_tokens=8192)
@@ -301,6 +355,8 @@ def main() -> None:
         moe_checks(args.work, data)
     if "dp" in parts and torch.cuda.device_count() >= 2:
         dp_checks(args.work, data)
+    if "kimi" in parts and torch.cuda.device_count() >= 2:
+        kimi_checks(args.work, data)
     import vllm
 
     gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "none (CPU dry run)"

@@ -2,7 +2,8 @@
 # On an air-gapped GPU machine: install the locked wheel set from carried pieces (once), set the
 # environment the GPU runs need, then run a command (default: the GPU checks).
 #   bash scripts/gpu_run.sh PIECES [COMMAND ...]
-# PIECES holds p1 ... pN from `scripts/offline_wheels.py split` (docs/install.md).
+# PIECES holds p1 ... pN from `scripts/offline_wheels.py split` (docs/install.md); when they also
+# hold the wheels of gpu/requirements-train.lock, the training stage is installed too.
 set -euo pipefail
 pieces=${1:?usage: gpu_run.sh PIECES [COMMAND ...]}
 shift
@@ -10,6 +11,12 @@ if [ ! -d /tmp/site/vllm ]; then
   python3 scripts/offline_wheels.py join "$pieces" /tmp/wheels --lock gpu/requirements-gpu.lock
   python3 -m pip install -q --no-index --no-deps --require-hashes --no-compile --find-links /tmp/wheels \
     --target /tmp/site -r gpu/requirements-gpu.lock
+fi
+# The training stage (speculators), when its wheels came with the pieces.
+if compgen -G "$pieces/p*/speculators-*.whl" >/dev/null && [ ! -d /tmp/site/speculators ]; then
+  python3 scripts/offline_wheels.py join "$pieces" /tmp/wheels --lock gpu/requirements-train.lock
+  python3 -m pip install -q --no-index --no-deps --require-hashes --no-compile --find-links /tmp/wheels \
+    --target /tmp/site -r gpu/requirements-train.lock
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # Settings the GPU runs needed (docs/install.md): no flashinfer, offline, spawned workers.

@@ -1,7 +1,7 @@
 """Measure a trained EAGLE-3 draft in vLLM: acceptance length and decode speed-up.
 
     python train/check_draft.py --verifier V --draft D --prompts prompts.jsonl [--num-spec 3]
-        [--max-tokens 256] [--modes plain,eagle3,ngram] [--json OUT.json] [--engine-arg KEY=VALUE ...]
+        [--max-tokens 256] [--batch N] [--modes plain,eagle3,ngram] [--json OUT.json] [--engine-arg KEY=VALUE ...]
 
 Runs the same held-out prompts (JSONL rows with "turns" or "messages"; the first user turn is
 asked) through vLLM once per mode, greedy: `plain` (no speculation), `eagle3` (the draft) and
@@ -62,7 +62,9 @@ def run_mode(mode: str, opts, chats) -> dict:
     llm.chat(chats[:2], params, use_tqdm=False)  # warm-up
     before = llm.get_metrics()
     t0 = time.perf_counter()
-    outs = llm.chat(chats, params, use_tqdm=False)
+    outs = []
+    for start in range(0, len(chats), opts.batch or len(chats)):
+        outs += llm.chat(chats[start : start + (opts.batch or len(chats))], params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     after = llm.get_metrics()
     drafts = _counter(after, "vllm:spec_decode_num_drafts") - _counter(before, "vllm:spec_decode_num_drafts")
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--draft", default=None)
     ap.add_argument("--prompts", type=Path, required=True)
     ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    ap.add_argument("--batch", type=int, default=None, help="prompts decoded together [default: all]")
     ap.add_argument("--num-spec", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=4096)

@@ -70,6 +70,16 @@ def trainer_args(output: Path, manifest: dict, opts: argparse.Namespace) -> list
     return args + opts.extra
 
 
+def servable_draft(save_path: Path) -> Path:
+    """The folder vLLM loads: speculators' best checkpoint, else its last epoch, else save_path
+    itself (a --dry-run saves there)."""
+    save_path = Path(save_path)
+    if (save_path / "checkpoint_best" / "config.json").is_file():
+        return save_path / "checkpoint_best"
+    epochs = [d for d in save_path.glob("*") if d.name.isdigit() and (d / "config.json").is_file()]
+    return max(epochs, key=lambda d: int(d.name)) if epochs else save_path
+
+
 def command(args: list[str], gpus: int) -> list[str]:
     if gpus > 1:
         return ["torchrun", f"--nproc_per_node={gpus}", "-m", "speculators.train", *args]
@@ -103,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     rc = subprocess.run(cmd).returncode
     if rc == 0:
         verifier = opts.verifier or manifest["model"]
-        config = json.dumps({"method": "eagle3", "model": str(opts.save_path), "num_speculative_tokens": 3})
-        print(f"draft: {opts.save_path}\nserve: vllm serve {verifier} --speculative-config '{config}'")
+        draft = servable_draft(opts.save_path)
+        config = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
+        print(f"draft: {draft}\nserve: vllm serve {verifier} --speculative-config '{config}'")
     return rc
 
 

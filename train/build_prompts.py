@@ -1,0 +1,58 @@
+"""Build the training prompts of the end-to-end run: each conversation's user turns, N copies.
+
+    python train/build_prompts.py OUT.jsonl --copies 4 FILE [FILE ...]
+
+Reads ShareGPT JSON lists, OpenAI-messages JSONL and alpaca seed tasks (`instruction` plus the
+first instance's `input`), keeps the user and system turns only (`eagle-extract --regenerate`
+lets the model write every answer) and writes each conversation `--copies` times as
+`{"messages": [...]}` lines.  Copies sit on different rows, and regeneration seeds each row
+with `--seed` plus its row number, so at a temperature above 0 every copy gets its own answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROLES = {"human": "user", "user": "user", "system": "system"}
+
+
+def questions(path: Path) -> list[list[dict]]:
+    text = path.read_text(encoding="utf-8")
+    rows = json.loads(text) if path.suffix == ".json" else [json.loads(line) for line in text.splitlines() if line]
+    chats = []
+    for row in rows:
+        if "instruction" in row:
+            extra = (row.get("instances") or [{}])[0].get("input") or row.get("input") or ""
+            chats.append([{"role": "user", "content": "\n\n".join(p for p in (row["instruction"], extra) if p)}])
+        elif "turns" in row:
+            chats.append([{"role": "user", "content": turn} for turn in row["turns"]])
+        else:
+            turns = row.get("conversations") or row.get("messages") or []
+            chats.append(
+                [
+                    {"role": ROLES[t.get("from", t.get("role"))], "content": t.get("value", t.get("content"))}
+                    for t in turns
+                    if t.get("from", t.get("role")) in ROLES
+                ]
+            )
+    return [c for c in chats if any(m["role"] == "user" for m in c)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("inputs", type=Path, nargs="+")
+    ap.add_argument("--copies", type=int, default=4, help="sampled answers per conversation")
+    opts = ap.parse_args()
+    chats = [c for path in opts.inputs for c in questions(path)]
+    with opts.out.open("w", encoding="utf-8") as f:
+        for _ in range(opts.copies):
+            for chat in chats:
+                f.write(json.dumps({"messages": chat}, ensure_ascii=False) + "\n")
+    print(f"{len(chats)} conversations x {opts.copies} copies = {len(chats) * opts.copies} rows -> {opts.out}")
+
+
+if __name__ == "__main__":
+    main()
