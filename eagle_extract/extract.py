@@ -336,7 +336,8 @@ def _capture(llm, cfg: ExtractConfig, output: Path, aux_ids, shape: ModelShape, 
     written.update(got["written"])
     extract_s = time.perf_counter() - t1
     llm.collective_rpc("eagle_remove")
-    return written, got["stats"], extract_s
+    where = {"model_class": writers[0]["model_class"], "decoder_path": writers[0]["path"], "workers": len(installed)}
+    return written, {**got["stats"], **where}, extract_s
 
 
 def _engine_failed(exc: Exception) -> ExtractError:

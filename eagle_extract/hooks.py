@@ -8,6 +8,7 @@ of positions in the flat batch is matched to a request by its token ids and posi
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 from collections import defaultdict, deque
@@ -42,14 +43,26 @@ def _residual_stream(hidden: torch.Tensor, residual: torch.Tensor | None) -> tor
     return hidden if residual is None else hidden + residual
 
 
-def _layer_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+CALL = ("positions", "hidden_states", "residual")  # vLLM's usual decoder-layer argument order
+
+
+def call_order(layer: torch.nn.Module) -> tuple[str, ...]:
+    """The layer's argument names in call order: most vLLM layers take (positions, hidden_states,
+    residual), GPT-OSS's take (hidden_states, positions, residual)."""
+    try:
+        names = tuple(inspect.signature(layer.forward).parameters)
+    except (TypeError, ValueError):
+        return CALL
+    return names if set(CALL) <= set(names) else CALL
+
+
+def _layer_inputs(
+    args: tuple, kwargs: dict, order: tuple[str, ...] = CALL
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(positions, hidden_states, residual) of a vLLM decoder-layer call, however it was passed."""
-    names = ("positions", "hidden_states", "residual")
-    values = list(args[:3]) + [None] * (3 - min(len(args), 3))
-    for i, name in enumerate(names):
-        if name in kwargs:
-            values[i] = kwargs[name]
-    return values[0], values[1], values[2]
+    found = dict(zip(order, args))
+    found.update((k, v) for k, v in kwargs.items() if k in CALL)
+    return found.get("positions"), found.get("hidden_states"), found.get("residual")
 
 
 def segments(positions: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -150,6 +163,7 @@ class StepCapture:
         self.errors: list[str] = []
         self.lock = threading.Lock()  # guards matcher and stats (hook thread, assembler, RPC)
         self._handles: list = []
+        self._order = CALL
         self._ids: torch.Tensor | None = None
         self._slots: torch.Tensor | None = None
         self._stream = None
@@ -160,6 +174,7 @@ class StepCapture:
     # -- hook plumbing (runs inside the forward pass: launch work, never wait) ----------
     def install(self) -> None:
         layers = self.stack.layers
+        self._order = call_order(layers[self.stack.start])
         self._handles.append(self.stack.embed.register_forward_pre_hook(self._on_embed))
         for slot, layer_id in enumerate(self.aux_ids):
             hook = self._make_pre_hook(slot)
@@ -203,13 +218,13 @@ class StepCapture:
 
     def _make_pre_hook(self, slot: int):
         def hook(module, args, kwargs):
-            _, hidden, residual = _layer_inputs(args, kwargs)
+            _, hidden, residual = _layer_inputs(args, kwargs, self._order)
             self._store(slot, hidden, residual)
 
         return hook
 
     def _on_last_layer(self, module, args, kwargs, output) -> None:
-        positions, _, _ = _layer_inputs(args, kwargs)
+        positions, _, _ = _layer_inputs(args, kwargs, self._order)
         hidden, residual = (output, None) if isinstance(output, torch.Tensor) else (output[0], output[1])
         self._store(self.num_slots - 1, hidden, residual)
         slots, ids = self._slots, self._ids

@@ -14,6 +14,8 @@ import torch.nn as nn
 
 # Owners of `.layers` tried in this order before the generic search.
 KNOWN_PATHS = ("model", "language_model.model", "language_model", "model.language_model", "transformer")
+# What decoders call their token embedding (GptOssModel: `embedding`).
+EMBED_NAMES = ("embed_tokens", "embedding", "wte", "word_embeddings")
 
 
 class DecoderNotFound(RuntimeError):
@@ -81,10 +83,16 @@ def _stack(root: nn.Module, path: str) -> DecoderStack:
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise DecoderNotFound(f"no decoder layer list at '{path}.layers'; found: {_layer_owners(root)}")
     start, end = _stage_bounds(owner, layers)
-    embed = getattr(owner, "embed_tokens", None)
-    if embed is not None and _is_placeholder(embed):
-        embed = None
-    return DecoderStack(path, owner, layers, start, end, embed)
+    return DecoderStack(path, owner, layers, start, end, _embedding(owner))
+
+
+def _embedding(owner: nn.Module) -> nn.Module | None:
+    """The decoder's token embedding; None on a later pipeline stage, where it is a placeholder."""
+    named = (getattr(owner, name, None) for name in EMBED_NAMES)
+    found = next((m for m in named if isinstance(m, nn.Module)), None)
+    if found is None:
+        found = next((m for m in owner.children() if type(m).__name__.endswith("Embedding")), None)
+    return None if found is None or _is_placeholder(found) else found
 
 
 def find_decoder(model: nn.Module, path: str | None = None) -> DecoderStack:

@@ -312,7 +312,7 @@ def kimi_checks(work: Path, data: Path, layers: int = 6) -> None:
     def bench():
         figures = work / "kimi-bench.json"
         cmd = [sys.executable, "benchmarks/throughput.py", "--model", str(model), "--dummy", "--tp", "2", "--layers",
-               aux, "--prompts", "64", "--prompt-len", "2048", "--reps", "3", "--out", str(work / "kimi-bench"),
+               aux, "--prompts", "32", "--prompt-len", "2048", "--reps", "3", "--out", str(work / "kimi-bench"),
                "--json", str(figures)]  # fmt: skip
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1", "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)

@@ -8,6 +8,7 @@ asked) through vLLM once per mode, greedy: `plain` (no speculation), `eagle3` (t
 `ngram` (prompt-lookup speculation), each engine started with the same arguments.  Prints one
 table: output tokens/s, speed-up over plain, mean acceptance length (accepted draft tokens per
 verification step plus the bonus token) and whether the text equals plain decoding's.
+Engines are eager unless `--engine-arg enforce_eager=false` (CUDA graphs, on a GPU).
 """
 
 from __future__ import annotations
@@ -50,13 +51,12 @@ def _counter(metrics, name: str) -> float:
 def run_mode(mode: str, opts, chats) -> dict:
     from vllm import LLM, SamplingParams
 
+    settings = {"enforce_eager": True, "max_model_len": opts.max_model_len, **opts.engine_args}
     llm = LLM(
         model=opts.verifier,
-        enforce_eager=True,
         disable_log_stats=False,
-        max_model_len=opts.max_model_len,
         speculative_config=speculative_config(mode, opts.draft, opts.num_spec),
-        **opts.engine_args,
+        **settings,
     )
     params = SamplingParams(temperature=0.0, max_tokens=opts.max_tokens)
     llm.chat(chats[:2], params, use_tqdm=False)  # warm-up

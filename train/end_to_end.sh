@@ -29,8 +29,10 @@ fi
 
 if [[ $stages == *train* ]]; then
 step "train"
+# eager loss: speculators 0.9's fused Triton loss fails under torch 2.11's dynamo on the H200 image
+# ("ListVariable ... is already tracked for mutation" in fused_kl_div_loss's backward).
 python3 train/train_draft.py "$work/out" --save-path "$work/draft" --draft-vocab-size 8192 \
-  --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers 4
+  --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers 4 --loss-implementation eager
 fi
 
 if [[ $stages == *measure* ]]; then
