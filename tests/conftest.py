@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from .common import copy_tokenizer, write_mixed_conversations
+from .tiny_models import BASE
 
 
 @pytest.fixture(scope="session")
@@ -30,21 +31,7 @@ def tiny_llama(tmp_path_factory, smollm2) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=6,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="float32",
-    )
+    config = LlamaConfig(**BASE, head_dim=64, intermediate_size=256, num_hidden_layers=6, torch_dtype="float32")
     torch.manual_seed(1234)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # larger-than-default weights so every layer visibly changes the stream

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from .common import copy_tokenizer
 
@@ -136,8 +136,6 @@ def build_kimi_k25(
 
     text = deepseek_v3_config(layers, hidden)
     reference = build_text_twin(text, path / "reference", tokenizer, seed, std)
-    from safetensors.torch import load_file
-
     weights = {}
     for f in sorted(reference.glob("*.safetensors")):
         weights.update({f"language_model.{k}": v for k, v in load_file(str(f)).items()})
