@@ -166,6 +166,11 @@ def main() -> None:
         help="also time (d): vLLM's extract_hidden_states + ExampleHiddenStatesConnector, a second engine (GPU)",
     )
     ap.add_argument("--hf-batch", type=int, default=8, help="batch size of the transformers baseline")
+    ap.add_argument(
+        "--writer-threads",
+        default="4",
+        help="comma-separated writer thread counts: b runs once per count in every repetition (first is reported as b)",
+    )
     args = ap.parse_args()
 
     import torch
@@ -199,22 +204,25 @@ def main() -> None:
         builtin = builtin_engine(args, aux + [text.num_hidden_layers], store, extra) if args.builtin else None
         if builtin:
             builtin.generate(batch[:8], params, use_tqdm=False)
-        plain, capture, written, vllm_own, vllm_written = [], [], [], [], []
+        threads = [int(x) for x in args.writer_threads.split(",")]
+        by_threads: dict[int, list[float]] = {n: [] for n in threads}
+        plain, written, vllm_own, vllm_written = [], [], [], []
         for rep in range(args.reps):
             t = time.perf_counter()
             llm.generate(batch, params, use_tqdm=False)
             plain.append(tokens / (time.perf_counter() - t))
 
-            shutil.rmtree(args.out, ignore_errors=True)
-            llm.collective_rpc("eagle_install", args=(str(args.out), aux, None))
-            t = time.perf_counter()
-            llm.collective_rpc("eagle_expect", args=([(i, p) for i, p in enumerate(prompts)],))
-            llm.generate(batch, params, use_tqdm=False)
-            reports = [r for r in llm.collective_rpc("eagle_drain", args=(True,)) if r]
-            capture.append(tokens / (time.perf_counter() - t))
-            llm.collective_rpc("eagle_remove")
-            assert not reports[0]["errors"] and len(reports[0]["written"]) == args.prompts, reports[0]["errors"]
-            written.append(sum(f.stat().st_size for f in (args.out / "hidden_states").iterdir()))
+            for n in threads:
+                shutil.rmtree(args.out, ignore_errors=True)
+                llm.collective_rpc("eagle_install", args=(str(args.out), aux, None, False, False, n))
+                t = time.perf_counter()
+                llm.collective_rpc("eagle_expect", args=([(i, p) for i, p in enumerate(prompts)],))
+                llm.generate(batch, params, use_tqdm=False)
+                reports = [r for r in llm.collective_rpc("eagle_drain", args=(True,)) if r]
+                by_threads[n].append(tokens / (time.perf_counter() - t))
+                llm.collective_rpc("eagle_remove")
+                assert not reports[0]["errors"] and len(reports[0]["written"]) == args.prompts, reports[0]["errors"]
+                written.append(sum(f.stat().st_size for f in (args.out / "hidden_states").iterdir()))
             if builtin:
                 shutil.rmtree(store, ignore_errors=True)
                 store.mkdir(parents=True)
@@ -223,6 +231,7 @@ def main() -> None:
                 vllm_own.append(tokens / (time.perf_counter() - t))
                 vllm_written.append(sum(f.stat().st_size for f in store.glob("*.safetensors")))
         held = gpu_memory()
+    capture = by_threads[threads[0]]
     ratios = [b / a for a, b in zip(plain, capture)]
     figures_hf = (
         {"transformers_tok_s": hf, "b_over_c": statistics.median(capture) / statistics.median(hf)} if hf else {}
@@ -247,6 +256,9 @@ def main() -> None:
         "plain_tok_s": plain,
         "extract_tok_s": capture,
         "ratios": ratios,
+        "writer_threads": threads[0],
+        "extract_tok_s_by_writer_threads": by_threads,
+        "ratios_by_writer_threads": {n: [b / a for a, b in zip(plain, v)] for n, v in by_threads.items()},
         "bytes_per_token": per_token,
         "write_GBps": statistics.median(capture) * per_token / 1e9,
         "peak_rss_GiB": mem.peak / 2**30,
@@ -254,10 +266,10 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         **figures_hf,
     }
-    print(
-        f"\n| run | tokens/s median (min-max) |\n|---|---|\n| a: plain generate(max_tokens=1) | {stats(plain)} |"
-        f"\n| b: eagle-extract, files written | {stats(capture)} |"
-    )
+    print(f"\n| run | tokens/s median (min-max) |\n|---|---|\n| a: plain generate(max_tokens=1) | {stats(plain)} |")
+    for n, v in by_threads.items():
+        ratio = statistics.median(b / a for a, b in zip(plain, v))
+        print(f"| b: eagle-extract, files written, {n} writer threads | {stats(v)} | b/a {ratio:.3f} |")
     if hf:
         print(f"| c: transformers output_hidden_states, batch {args.hf_batch}, no disk | {stats(hf)} |")
         print(f"b/c {figures_hf['b_over_c']:.2f}")

@@ -182,6 +182,13 @@ def main():
     "version's numbering of layer outputs, recorded in the manifest).",
 )
 @click.option(
+    "--writer-threads",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Threads writing hidden-state files on the writing rank; more help fast disks keep up with big GPUs.",
+)
+@click.option(
     "--no-disk-check",
     is_flag=True,
     help="Start even when the estimated output is larger than the free disk space (e.g. space freed during the run).",
@@ -203,6 +210,7 @@ def extract_command(
     overwrite,
     storage_dtype,
     output_format,
+    writer_threads,
     no_disk_check,
     data_format,
     strict,
@@ -244,6 +252,7 @@ def extract_command(
         check_disk=not no_disk_check,
         storage_dtype=storage_dtype,
         format=output_format,
+        writer_threads=writer_threads,
         decoder_path=decoder_path,
         engine_args=extra,
         data_format=data_format,

@@ -49,6 +49,7 @@ class ExtractConfig:
     check_disk: bool = True
     storage_dtype: str = "model"  # or "fp8": speculators' FP8 layout, half the bytes of bf16
     format: str = "speculators"  # or "speculators-legacy": speculators 0.3/0.4's data_{i}.pt files
+    writer_threads: int = 4
     decoder_path: str | None = None
     engine_args: dict = field(default_factory=dict)
     data_format: str = "auto"
@@ -314,7 +315,9 @@ def _capture(llm, cfg: ExtractConfig, output: Path, aux_ids, shape: ModelShape, 
     from vllm import SamplingParams, TokensPrompt
 
     fp8, legacy = cfg.storage_dtype == "fp8", cfg.format == LEGACY
-    installed = llm.collective_rpc("eagle_install", args=(str(output), aux_ids, cfg.decoder_path, fp8, legacy))
+    installed = llm.collective_rpc(
+        "eagle_install", args=(str(output), aux_ids, cfg.decoder_path, fp8, legacy, cfg.writer_threads)
+    )
     writers = [w for w in installed if w["writes"]]
     if len(writers) != 1 or writers[0]["num_layers"] != shape.num_layers:
         raise ExtractError(f"expected one writing rank hooking {shape.num_layers} layers, got {installed}")

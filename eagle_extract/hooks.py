@@ -39,10 +39,6 @@ class CaptureStats:
         return dict(self.__dict__)
 
 
-def _residual_stream(hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    return hidden if residual is None else hidden + residual
-
-
 CALL = ("positions", "hidden_states", "residual")  # vLLM's usual decoder-layer argument order
 
 
@@ -130,7 +126,7 @@ class RequestMatcher:
 class _Step:
     """One engine step's captures, possibly still being copied off the GPU."""
 
-    slots: torch.Tensor  # [K, N, H] host memory (pinned when the model is on a GPU)
+    slots: torch.Tensor  # [N, K, H] host memory (pinned when the model is on a GPU)
     token_ids: torch.Tensor  # [N] int64, host
     positions: torch.Tensor  # [N] or [3, N] int64, host
     ready: object | None  # a CUDA event the copies finish at, None on the CPU
@@ -139,10 +135,13 @@ class _Step:
 class StepCapture:
     """Hooks on one worker's decoder stack; calls `on_complete(index, hidden[T,K,H], token_ids)`.
 
-    The hooks only launch copies: on a GPU, `hidden + residual` goes to pinned host memory on
-    a side stream, so the forward pass never waits for the host. A background thread waits
-    for each step's copies, splits the step into requests and hands finished requests on.
-    At most `max_steps` steps wait in line; beyond that the forward pass blocks (back-pressure).
+    The hooks only launch work: each adds `hidden + residual` into its slot of a token-major
+    [N, K, H] step buffer on the model's device, and on a GPU the last layer's hook copies that
+    buffer to pinned host memory on a side stream, so the forward pass never waits for the host.
+    Token-major means every request is a contiguous slice: nothing is re-laid out on the host.
+    A background thread waits for each step's copy, splits the step into requests and hands
+    finished requests on. At most `max_steps` steps wait in line; beyond that the forward pass
+    blocks (back-pressure).
     """
 
     def __init__(
@@ -165,7 +164,7 @@ class StepCapture:
         self._handles: list = []
         self._order = CALL
         self._ids: torch.Tensor | None = None
-        self._slots: torch.Tensor | None = None
+        self._staging: torch.Tensor | None = None  # [N, K, H] on the model's device
         self._stream = None
         self._steps: queue.Queue = queue.Queue(maxsize=max_steps)
         self._thread = threading.Thread(target=self._assemble_loop, daemon=True)
@@ -188,14 +187,13 @@ class StepCapture:
         self._steps.put(None)
         self._thread.join()
 
-    def _to_host(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """Copy to host memory; on a GPU asynchronously, on the side stream, into pinned memory."""
         if t.device.type != "cuda":
-            return t.detach().clone() if out is None else out.copy_(t)
+            return t.detach().clone()
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=t.device)
-        if out is None:
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self._stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(self._stream):
             out.copy_(t, non_blocking=True)
@@ -206,15 +204,16 @@ class StepCapture:
         self._ids = self._to_host(args[0].detach().flatten().to(torch.int64))
 
     def _store(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
-        # vLLM's fused add+norm overwrites these tensors in place later: copy now.
-        if self._slots is None:
-            n, h = hidden.shape[0], hidden.shape[-1]
-            pinned = hidden.device.type == "cuda"
-            self._slots = torch.empty((self.num_slots, n, h), dtype=hidden.dtype, pin_memory=pinned)
-        if hidden.device.type == "cpu" and residual is not None:
-            torch.add(hidden, residual, out=self._slots[slot])
+        # vLLM's fused add+norm overwrites these tensors in place later: copy now, on the model's
+        # device, into the token-major [N, K, H] step buffer, so each request is one contiguous slice.
+        if self._staging is None:
+            shape = (hidden.shape[0], self.num_slots, hidden.shape[-1])
+            self._staging = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
+        out = self._staging[:, slot]
+        if residual is None:
+            out.copy_(hidden)
         else:
-            self._to_host(_residual_stream(hidden, residual), out=self._slots[slot])
+            torch.add(hidden, residual, out=out)
 
     def _make_pre_hook(self, slot: int):
         def hook(module, args, kwargs):
@@ -227,12 +226,13 @@ class StepCapture:
         positions, _, _ = _layer_inputs(args, kwargs, self._order)
         hidden, residual = (output, None) if isinstance(output, torch.Tensor) else (output[0], output[1])
         self._store(self.num_slots - 1, hidden, residual)
-        slots, ids = self._slots, self._ids
-        self._slots = self._ids = None
-        if slots is None or ids is None:
+        staging, ids = self._staging, self._ids
+        self._staging = self._ids = None
+        if staging is None or ids is None:
             return
+        slots = staging if staging.device.type == "cpu" else self._to_host(staging)
         positions = self._to_host(positions.detach().to(torch.int64))
-        ready = self._stream.record_event() if hidden.device.type == "cuda" else None
+        ready = self._stream.record_event() if staging.device.type == "cuda" else None
         self._steps.put(_Step(slots, ids, positions, ready))
 
     # -- per-step bookkeeping (background thread) --------------------------------------
@@ -261,8 +261,8 @@ class StepCapture:
                 if req is None:
                     self.stats.unmatched_tokens += length
                     continue
-                # [K, T, H] view of the step -> a [T, K, H] tensor of its own, freeing the step buffer
-                req.chunks.append(step.slots[:, offset : offset + length].transpose(0, 1).contiguous())
+                # a contiguous [T, K, H] view: the step buffer lives until the request's file is written
+                req.chunks.append(step.slots[offset : offset + length])
                 req.filled += length
                 if req.filled == len(req.token_ids):
                     self.matcher.finished(req)

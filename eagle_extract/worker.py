@@ -24,7 +24,13 @@ class HiddenStateExtension:
     """Per-worker capture state lives in `self._eagle` (vLLM never calls an extension's __init__)."""
 
     def eagle_install(
-        self, output: str, aux_ids: list[int], decoder_path: str | None = None, fp8: bool = False, legacy: bool = False
+        self,
+        output: str,
+        aux_ids: list[int],
+        decoder_path: str | None = None,
+        fp8: bool = False,
+        legacy: bool = False,
+        writer_threads: int = 4,
     ) -> dict:
         """Hook the decoder on the one rank per TP group that writes; other ranks stay hook-free."""
         stack = find_decoder(self.get_model(), decoder_path)
@@ -38,7 +44,7 @@ class HiddenStateExtension:
         }
         writes = info["tp_rank"] == 0
         if writes:
-            writer = BackgroundWriter(output, fp8=fp8, legacy=legacy)
+            writer = BackgroundWriter(output, fp8=fp8, legacy=legacy, threads=writer_threads)
             capture = StepCapture(stack, aux_ids, writer.submit)
             capture.install()
             self._eagle = (capture, writer)

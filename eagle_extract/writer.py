@@ -108,7 +108,7 @@ class BackgroundWriter:
     """
 
     def __init__(
-        self, output: Path, fp8: bool = False, legacy: bool = False, threads: int = 2, max_pending: int = 64
+        self, output: Path, fp8: bool = False, legacy: bool = False, threads: int = 4, max_pending: int = 64
     ) -> None:
         self.output = Path(output)
         self.fp8 = fp8

