@@ -168,8 +168,9 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=8, help="batch size of the transformers baseline")
     ap.add_argument(
         "--writer-threads",
-        default="4",
-        help="comma-separated writer thread counts: b runs once per count in every repetition (first is reported as b)",
+        default="0",
+        help="comma-separated writer thread counts, 0 for eagle-extract's default: b runs once per count in every "
+        "repetition (the first is reported as b)",
     )
     args = ap.parse_args()
 
@@ -179,6 +180,7 @@ def main() -> None:
 
     from eagle_extract.engine import start_engine
     from eagle_extract.layers import parse_layer_ids
+    from eagle_extract.writer import default_writer_threads
 
     text = AutoConfig.from_pretrained(args.model).get_text_config()
     aux = parse_layer_ids(args.layers, text.num_hidden_layers)
@@ -214,7 +216,7 @@ def main() -> None:
 
             for n in threads:
                 shutil.rmtree(args.out, ignore_errors=True)
-                llm.collective_rpc("eagle_install", args=(str(args.out), aux, None, False, False, n))
+                llm.collective_rpc("eagle_install", args=(str(args.out), aux, None, False, False, n or None))
                 t = time.perf_counter()
                 llm.collective_rpc("eagle_expect", args=([(i, p) for i, p in enumerate(prompts)],))
                 llm.generate(batch, params, use_tqdm=False)
@@ -256,7 +258,7 @@ def main() -> None:
         "plain_tok_s": plain,
         "extract_tok_s": capture,
         "ratios": ratios,
-        "writer_threads": threads[0],
+        "writer_threads": threads[0] or default_writer_threads(),
         "extract_tok_s_by_writer_threads": by_threads,
         "ratios_by_writer_threads": {n: [b / a for a, b in zip(plain, v)] for n, v in by_threads.items()},
         "bytes_per_token": per_token,
@@ -269,7 +271,8 @@ def main() -> None:
     print(f"\n| run | tokens/s median (min-max) |\n|---|---|\n| a: plain generate(max_tokens=1) | {stats(plain)} |")
     for n, v in by_threads.items():
         ratio = statistics.median(b / a for a, b in zip(plain, v))
-        print(f"| b: eagle-extract, files written, {n} writer threads | {stats(v)} | b/a {ratio:.3f} |")
+        label = f"{n} writer threads" if n else f"default writer threads ({default_writer_threads()} here)"
+        print(f"| b: eagle-extract, files written, {label} | {stats(v)} | b/a {ratio:.3f} |")
     if hf:
         print(f"| c: transformers output_hidden_states, batch {args.hf_batch}, no disk | {stats(hf)} |")
         print(f"b/c {figures_hf['b_over_c']:.2f}")

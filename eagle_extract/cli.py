@@ -184,9 +184,8 @@ def main():
 @click.option(
     "--writer-threads",
     type=click.IntRange(min=1),
-    default=4,
-    show_default=True,
-    help="Threads writing hidden-state files on the writing rank; more help fast disks keep up with big GPUs.",
+    default=None,
+    help="Threads writing hidden-state files on the writing rank. [default: one per two CPU cores, 2 to 8]",
 )
 @click.option(
     "--no-disk-check",

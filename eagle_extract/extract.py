@@ -49,7 +49,7 @@ class ExtractConfig:
     check_disk: bool = True
     storage_dtype: str = "model"  # or "fp8": speculators' FP8 layout, half the bytes of bf16
     format: str = "speculators"  # or "speculators-legacy": speculators 0.3/0.4's data_{i}.pt files
-    writer_threads: int = 4
+    writer_threads: int | None = None  # None: writer.default_writer_threads()
     decoder_path: str | None = None
     engine_args: dict = field(default_factory=dict)
     data_format: str = "auto"
@@ -344,10 +344,12 @@ def _capture(llm, cfg: ExtractConfig, output: Path, aux_ids, shape: ModelShape, 
 
 
 def _engine_failed(exc: Exception) -> ExtractError:
-    """The engine or a worker died: one line, and every completed row is kept."""
-    first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    """The engine or a worker died: one line, and every completed row is kept.  A multi-line message
+    (a pydantic ValidationError of vLLM's config names the field on its second line) is joined."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    said = " ".join(line for line in lines if not line.startswith("For further information")) or "no message"
     return ExtractError(
-        f"the vLLM engine failed ({type(exc).__name__}: {first[:200]}); "
+        f"the vLLM engine failed ({type(exc).__name__}: {said[:400]}); "
         "every completed row is kept: fix the cause and rerun the same command to resume"
     )
 

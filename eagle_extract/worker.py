@@ -30,7 +30,7 @@ class HiddenStateExtension:
         decoder_path: str | None = None,
         fp8: bool = False,
         legacy: bool = False,
-        writer_threads: int = 4,
+        writer_threads: int | None = None,
     ) -> dict:
         """Hook the decoder on the one rank per TP group that writes; other ranks stay hook-free."""
         stack = find_decoder(self.get_model(), decoder_path)

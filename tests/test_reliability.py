@@ -193,3 +193,18 @@ def test_two_runs_of_the_same_command_are_identical(tmp_path, tiny_llama, mixed_
         a, b = load_row(outs[0], i), load_row(outs[1], i)
         assert torch.equal(a["token_ids"], b["token_ids"])
         assert torch.equal(a["hidden_states"], b["hidden_states"])
+
+
+def test_engine_failure_keeps_the_cause_of_a_multi_line_error_on_one_line():
+    """vLLM's config errors are pydantic ValidationErrors whose first line only counts the errors."""
+    from eagle_extract.extract import _engine_failed
+
+    exc = ValueError(
+        "1 validation error for ModelConfig\n"
+        "  Value error, Model architectures ['X'] failed to be inspected. [type=value_error]\n"
+        "    For further information visit https://errors.example/value_error"
+    )
+    message = str(_engine_failed(exc))
+    assert "\n" not in message
+    assert "ModelConfig Value error, Model architectures ['X'] failed to be inspected" in message
+    assert "For further information" not in message and message.endswith("rerun the same command to resume")

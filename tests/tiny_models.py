@@ -136,11 +136,7 @@ def build_kimi_k25(
 
     text = deepseek_v3_config(layers, hidden)
     reference = build_text_twin(text, path / "reference", tokenizer, seed, std)
-    weights = {}
-    for f in sorted(reference.glob("*.safetensors")):
-        weights.update({f"language_model.{k}": v for k, v in load_file(str(f)).items()})
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(path / "model.safetensors"))
+    _save_renamed(reference, path, lambda name: f"language_model.{name}")
     config = Kimi_K25Config(text_config=text.to_dict()).to_dict()
     config["architectures"] = ["KimiK25ForConditionalGeneration"]
     config["torch_dtype"] = "bfloat16"
@@ -148,6 +144,37 @@ def build_kimi_k25(
     (path / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": KIMI_MEDIA}, indent=1))
     copy_tokenizer(tokenizer, path)
     return path
+
+
+def build_aria(path: Path, tokenizer: Path, layers: int = 4, seed: int = 0, std: float = 0.08) -> Path:
+    """`AriaForConditionalGeneration`: an MoE language model (routed plus shared experts) that vLLM
+    nests one level less deep than Kimi's (`language_model.layers`), plus a small Idefics3 vision
+    config without weights (engines run it with `language_model_only=true`); `reference/` is the
+    same language model as an AriaTextForCausalLM."""
+    from transformers import AriaConfig, AriaTextConfig, Idefics3VisionConfig
+
+    text = AriaTextConfig(**BASE, head_dim=64, intermediate_size=128, moe_num_experts=8, moe_topk=2,
+                          moe_num_shared_experts=1, num_hidden_layers=layers)  # fmt: skip
+    reference = build_text_twin(text, path / "reference", tokenizer, seed, std)
+    _save_renamed(reference, path, lambda name: name.replace("model.", "model.language_model.", 1))
+    vision = Idefics3VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=224, patch_size=32)  # fmt: skip
+    config = AriaConfig(text_config=text, vision_config=vision, projector_patch_to_query_dict={49: 16},
+                        image_token_index=BASE["vocab_size"] - 1).to_dict()  # fmt: skip
+    config["architectures"] = ["AriaForConditionalGeneration"]
+    config["torch_dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    copy_tokenizer(tokenizer, path)
+    return path
+
+
+def _save_renamed(reference: Path, path: Path, rename) -> None:
+    """Save a text twin's tensors under the names its multimodal wrapper's checkpoint uses."""
+    weights = {}
+    for f in sorted(reference.glob("*.safetensors")):
+        weights.update({rename(k): v for k, v in load_file(str(f)).items()})
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(path / "model.safetensors"))
 
 
 def build_text_twin(config, path: Path, tokenizer: Path, seed: int, std: float = 0.08) -> Path:
