@@ -51,3 +51,19 @@ def test_outputs_the_trainer_cannot_read_are_refused_in_one_line(tmp_path):
     (tmp_path / "eagle_extract.json").write_text(json.dumps({"format": "speculators-legacy"}))
     proc = run_script("train_draft.py", str(tmp_path), "--save-path", str(tmp_path / "d"))
     assert proc.returncode == 1 and "extract again without --format speculators-legacy" in proc.stderr
+
+
+def test_prompt_copies_are_adjacent_so_the_validation_rows_are_unseen_conversations(tmp_path):
+    """speculators validates on the last 10 % of rows, unshuffled: apart from the one conversation the cut
+    falls inside, none of them may repeat a training row's prompt."""
+    data = Path(__file__).resolve().parents[1] / "eagle_extract/sample_data"
+    out = tmp_path / "prompts.jsonl"
+    proc = run_script("build_prompts.py", str(out), "--copies", "4", str(data / "vicuna_bench_questions.jsonl"),
+                      str(data / "sharegpt_dummy_conversations.json"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in out.read_text().splitlines() if line]
+    chats = set(rows)
+    assert len(rows) == 4 * len(chats) == 4 * (80 + 154)  # vicuna's 80 and the sample's 154 distinct conversations
+    assert "234 conversations (346 repeated ones dropped)" in proc.stdout
+    cut = int(len(rows) * 0.9)  # speculators' ArrowDataset split: train rows [0, cut), validation [cut, n)
+    assert len(set(rows[cut:]) & set(rows[:cut])) <= 1  # only the conversation the cut falls inside

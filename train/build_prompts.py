@@ -7,6 +7,13 @@ first instance's `input`), keeps the user and system turns only (`eagle-extract 
 lets the model write every answer) and writes each conversation `--copies` times as
 `{"messages": [...]}` lines.  Copies sit on different rows, and regeneration seeds each row
 with `--seed` plus its row number, so at a temperature above 0 every copy gets its own answer.
+
+Conversations whose kept turns repeat an earlier one are dropped (the bundled ShareGPT sample
+has 154 distinct ones among its 500), and a conversation's copies sit on adjacent rows.
+speculators validates on the last 10 % of the rows, unshuffled; with the copies adjacent and no
+repeats, those rows are conversations the training rows never saw, but for the one the cut falls
+inside (with the copies in blocks, the validation rows repeated training prompts and validation
+accuracy measured memorisation: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -46,12 +53,17 @@ def main() -> None:
     ap.add_argument("inputs", type=Path, nargs="+")
     ap.add_argument("--copies", type=int, default=4, help="sampled answers per conversation")
     opts = ap.parse_args()
-    chats = [c for path in opts.inputs for c in questions(path)]
+    read = [c for path in opts.inputs for c in questions(path)]
+    unique = {json.dumps(c, ensure_ascii=False): c for c in reversed(read)}  # first occurrence wins
+    chats = list(reversed(unique.values()))
     with opts.out.open("w", encoding="utf-8") as f:
-        for _ in range(opts.copies):
-            for chat in chats:
+        for chat in chats:
+            for _ in range(opts.copies):
                 f.write(json.dumps({"messages": chat}, ensure_ascii=False) + "\n")
-    print(f"{len(chats)} conversations x {opts.copies} copies = {len(chats) * opts.copies} rows -> {opts.out}")
+    print(
+        f"{len(chats)} conversations ({len(read) - len(chats)} repeated ones dropped) x {opts.copies} copies = "
+        f"{len(chats) * opts.copies} rows -> {opts.out}"
+    )
 
 
 if __name__ == "__main__":
