@@ -366,9 +366,10 @@ def families_checks(work: Path, data: Path, tps: tuple[int, ...]) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     tokenizer = ensure_smollm2(work / "cache")
     small = ("--dtype", "float32", "--engine-arg", "gpu_memory_utilization=0.3", *BUDGET)
+    wrappers = {"kimi_k25": build_kimi_k25, "aria": build_aria}  # text-only twins in reference/
     for kind in FAMILIES:
-        if kind in ("kimi_k25", "aria"):
-            model = (build_kimi_k25 if kind == "kimi_k25" else build_aria)(work / kind, tokenizer, std=0.02)
+        if kind in wrappers:
+            model = wrappers[kind](work / kind, tokenizer, std=0.02)
             reference, extra = model / "reference", ("--engine-arg", "language_model_only=true")
         else:
             model = reference = build(kind, work / kind, tokenizer, std=0.02)

@@ -54,8 +54,10 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=4, help="sampled answers per conversation")
     opts = ap.parse_args()
     read = [c for path in opts.inputs for c in questions(path)]
-    unique = {json.dumps(c, ensure_ascii=False): c for c in reversed(read)}  # first occurrence wins
-    chats = list(reversed(unique.values()))
+    unique: dict[str, list[dict]] = {}
+    for chat in read:  # first occurrence wins, in reading order
+        unique.setdefault(json.dumps(chat, ensure_ascii=False), chat)
+    chats = list(unique.values())
     with opts.out.open("w", encoding="utf-8") as f:
         for chat in chats:
             for _ in range(opts.copies):
