@@ -67,3 +67,29 @@ def test_prompt_copies_are_adjacent_so_the_validation_rows_are_unseen_conversati
     assert "234 conversations (346 repeated ones dropped)" in proc.stdout
     cut = int(len(rows) * 0.9)  # speculators' ArrowDataset split: train rows [0, cut), validation [cut, n)
     assert len(set(rows[cut:]) & set(rows[:cut])) <= 1  # only the conversation the cut falls inside
+
+
+def test_synthesized_prompts_are_complete_distinct_and_never_a_held_out_one(tmp_path):
+    sys.path.insert(0, str(TRAIN))
+    import synthesize_prompts as synth
+    from transformers import AutoTokenizer
+
+    from eagle_extract.smollm2 import ensure_smollm2
+
+    prefix = synth.pre_query_prefix(AutoTokenizer.from_pretrained(ensure_smollm2()))
+    assert prefix.startswith("<|im_start|>system\n") and prefix.endswith("<|im_end|>\n<|im_start|>user\n")
+
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"turns": ["What is  the Capital of France?", "And of Spain?"]}) + "\n")
+    candidates = [
+        ("Write a poem about the sea.", "stop"),
+        ("  write a poem\nabout the SEA. ", "stop"),  # the same request, spaced and cased differently
+        ("what is the capital of france?", "stop"),  # a held-out question
+        ("Hi there", "stop"),  # shorter than min_chars
+        ("Tell me everything about the history of", "length"),  # cut at max_tokens
+        ("Explain how tides work.", "stop"),
+        ("List three prime numbers.", "stop"),
+    ]
+    kept, dropped = synth.keep_distinct(candidates, 2, 12, synth.held_out_texts([held]))
+    assert kept == ["Write a poem about the sea.", "Explain how tides work."]
+    assert dropped == {"cut_at_max_tokens": 1, "too_short": 1, "repeated": 1, "held_out": 1}

@@ -6,7 +6,8 @@
 # and vicuna_bench_questions.jsonl (held out: never regenerated, extracted or trained on).
 # STAGES (default extract,train,measure) runs some of them, e.g. one per call on a lent GPU.
 # Smaller trial runs: MAX_NEW_TOKENS (answers), MAX_TOKENS (measured decoding), TRAIN_ARGS (e.g. --dry-run).
-# TEMPERATURE (default 0.7) samples the answers; lower is closer to the greedy decoding measured at the end.
+# TEMPERATURE (default 0.7) samples the answers; lower is closer to the greedy decoding measured at the end
+# (0: greedy, then COPIES=1). SYNTH=N adds N distinct prompts the model writes itself (synthesize_prompts.py).
 set -euo pipefail
 data=${1:?usage: end_to_end.sh DATA_DIR WORK [COPIES] [EPOCHS]}
 work=${2:?usage: end_to_end.sh DATA_DIR WORK [COPIES] [EPOCHS]}
@@ -18,9 +19,15 @@ step() { printf '\n== %s  (%s)\n' "$1" "$(date +%T)"; }
 model=$(python3 -c 'from eagle_extract.smollm2 import ensure_smollm2; print(ensure_smollm2())')
 
 if [[ $stages == *extract* ]]; then
+inputs=("$data/alpaca_seed_tasks.jsonl" "$data/sharegpt_dummy_conversations.json")
+if [[ ${SYNTH:-0} -gt 0 ]]; then
+  step "synthesize $SYNTH prompts"
+  python3 train/synthesize_prompts.py "$work/synth.jsonl" --model "$model" --count "$SYNTH" \
+    --held-out "$data/vicuna_bench_questions.jsonl" --engine-arg gpu_memory_utilization=0.5
+  inputs+=("$work/synth.jsonl")
+fi
 step "prompts"
-python3 train/build_prompts.py "$work/prompts.jsonl" --copies "$copies" \
-  "$data/alpaca_seed_tasks.jsonl" "$data/sharegpt_dummy_conversations.json"
+python3 train/build_prompts.py "$work/prompts.jsonl" --copies "$copies" "${inputs[@]}"
 
 step "regenerate + extract"
 python3 -m eagle_extract --model "$model" --data "$work/prompts.jsonl" --output "$work/out" --overwrite \
