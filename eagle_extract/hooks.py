@@ -8,11 +8,12 @@ of positions in the flat batch is matched to a request by its token ids and posi
 
 from __future__ import annotations
 
+import bisect
 import inspect
 import queue
 import threading
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,9 +25,15 @@ from .stages import stage_slots
 @dataclass
 class _Request:
     index: int
-    token_ids: list[int]
-    chunks: list[torch.Tensor] = field(default_factory=list)
-    filled: int = 0
+    token_ids: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class _Stream:
+    """The captured states of one run of a prompt from position 0, possibly over several steps."""
+
+    tokens: list[int]
+    chunks: list  # [T_i, K, H] views of step buffers, in order
 
 
 @dataclass
@@ -77,50 +84,77 @@ def segments(positions: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 class RequestMatcher:
-    """Assigns each contiguous run of tokens to the expected request it belongs to."""
+    """Binds captured runs of tokens to the expected requests whose states they are.
+
+    A run at position 0 opens a stream; a run at position p > 0 continues an open stream of p
+    tokens that it extends into some waiting prompt.  Attention is causal, so a stream's states
+    are those of any prompt with exactly its tokens: a stream is handed to one waiting request
+    with those tokens, and stays open while a waiting prompt extends it.  Prompts sharing a
+    prefix (one chat template, one regenerated first answer) and split over steps therefore
+    never swap states, however vLLM splits them.
+    """
 
     def __init__(self) -> None:
         self._whole: dict[tuple[int, ...], deque[_Request]] = defaultdict(deque)
-        self._unstarted: dict[int, _Request] = {}
-        self._in_flight: dict[int, _Request] = {}
+        self._sorted: list[tuple[int, ...]] = []  # waiting prompts, sorted: those extending T follow T
+        self._open: list[_Stream] = []
         self.split_requests = 0
 
     def expect(self, index: int, token_ids: list[int]) -> None:
-        req = _Request(index, list(token_ids))
-        self._whole[tuple(req.token_ids)].append(req)
-        self._unstarted[index] = req
+        key = tuple(token_ids)
+        self._whole[key].append(_Request(index, key))
+        bisect.insort(self._sorted, key)
 
     @property
     def pending(self) -> list[int]:
-        return sorted(set(self._unstarted) | set(self._in_flight))
+        return sorted(req.index for waiting in self._whole.values() for req in waiting)
 
-    def _take(self, req: _Request) -> _Request:
-        del self._unstarted[req.index]
-        queue = self._whole[tuple(req.token_ids)]
-        queue.remove(req)
-        if not queue:
-            del self._whole[tuple(req.token_ids)]
-        return req
+    def _extended(self, tokens: tuple[int, ...], strictly: bool) -> bool:
+        """Whether a waiting prompt starts with `tokens` (strictly: and goes on beyond them)."""
+        i = bisect.bisect_left(self._sorted, tokens)
+        while i < len(self._sorted) and self._sorted[i][: len(tokens)] == tokens:
+            if not strictly or len(self._sorted[i]) > len(tokens):
+                return True
+            i += 1
+        return False
 
-    def match(self, tokens: list[int], start_pos: int) -> _Request | None:
-        n = len(tokens)
+    def add(self, tokens: list[int], start_pos: int, chunk) -> tuple[list[tuple[_Request, list]], bool]:
+        """Take one run; returns the requests it completes, each with its chunks, and whether it was used."""
         if start_pos == 0:
-            queue = self._whole.get(tuple(tokens))
-            if queue:
-                return self._take(queue[0])
-            for req in self._unstarted.values():  # first chunk of a prompt split over steps
-                if len(req.token_ids) > n and req.token_ids[:n] == tokens:
-                    self.split_requests += 1
-                    self._in_flight[req.index] = req
-                    return self._take(req)
-            return None
-        for req in self._in_flight.values():  # a later chunk continues where it stopped
-            if req.filled == start_pos and req.token_ids[start_pos : start_pos + n] == tokens:
-                return req
-        return None
+            stream = _Stream(list(tokens), [chunk])
+        else:
+            stream = next(
+                (
+                    s
+                    for s in self._open
+                    if len(s.tokens) == start_pos and self._extended(tuple(s.tokens + tokens), strictly=False)
+                ),
+                None,
+            )
+            if stream is None:
+                return [], False
+            stream.tokens += tokens
+            stream.chunks.append(chunk)
+        key = tuple(stream.tokens)
+        done = []
+        waiting = self._whole.get(key)
+        if waiting:
+            req = waiting.popleft()
+            if not waiting:
+                del self._whole[key]
+            del self._sorted[bisect.bisect_left(self._sorted, key)]
+            self.split_requests += len(stream.chunks) > 1
+            done.append((req, list(stream.chunks)))
+        keep = self._extended(key, strictly=True)
+        if keep and start_pos == 0:
+            self._open.append(stream)
+        elif not keep and start_pos > 0:
+            self._open.remove(stream)
+        return done, bool(done) or keep
 
-    def finished(self, req: _Request) -> None:
-        self._in_flight.pop(req.index, None)
+    def prune(self) -> None:
+        """Close the streams no waiting prompt extends any more (their prompts were bound elsewhere)."""
+        self._open = [s for s in self._open if self._extended(tuple(s.tokens), strictly=True)]
 
 
 @dataclass
@@ -281,20 +315,17 @@ class StepCapture:
             self.stats.steps += 1
             for offset, length, start_pos in segments(step.positions):
                 self.stats.segments += 1
-                req = self.matcher.match(id_list[offset : offset + length], start_pos)
-                if req is None:
-                    self.stats.unmatched_tokens += length
-                    continue
                 # a contiguous [T, K, H] view: the step buffer lives until the request's file is written
-                req.chunks.append(step.slots[offset : offset + length])
-                req.filled += length
-                if req.filled == len(req.token_ids):
-                    self.matcher.finished(req)
-                    finished.append(req)
+                done, used = self.matcher.add(id_list[offset : offset + length], start_pos,
+                                              step.slots[offset : offset + length])  # fmt: skip
+                if not used:
+                    self.stats.unmatched_tokens += length
+                finished += done
+            self.matcher.prune()
             self.stats.split_requests = self.matcher.split_requests
-        for req in finished:
-            hidden = req.chunks[0] if len(req.chunks) == 1 else torch.cat(req.chunks)
-            self.on_complete(req.index, hidden, req.token_ids)
+        for req, chunks in finished:
+            hidden = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            self.on_complete(req.index, hidden, list(req.token_ids))
 
     def expect(self, rows: list[tuple[int, list[int]]]) -> None:
         with self.lock:

@@ -11,6 +11,7 @@ from datasets import load_from_disk
 from eagle_extract.writer import read_manifest
 
 from .common import Reference, compare_with_reference, load_row, rel_err
+from .conftest import BUDGET, extract
 
 
 def _compare_with_transformers(out, model_path, tolerance, per_sample=True):
@@ -88,3 +89,22 @@ def test_output_is_speculators_layout(fixture, request):
     assert sorted(p.name for p in (out / "hidden_states").iterdir()) == sorted(
         f"hs_{i}.safetensors" for i in range(len(rows))
     )
+
+
+def test_prompts_sharing_a_split_prefix_keep_their_own_states(tmp_path_factory, tiny_llama):
+    """Prompts that share a long opening, as regenerated conversations with greedy answers do: with
+    a 128-token budget the first prompt's first chunk is exactly the 128-token opening, which is also
+    the whole of the last prompt, and later chunks split inside the shared part.  Every row must be
+    captured with its own states (before the matcher bound runs by whole prompts only, the opening
+    took the first prompt's chunk and the mix-up spread along every prompt sharing it)."""
+    gen = torch.Generator().manual_seed(7)
+    opening = torch.randint(100, 40000, (128,), generator=gen).tolist()
+    lengths = torch.randint(20, 200, (10,), generator=gen).tolist()
+    tails = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in lengths]
+    rows = [opening + tail for tail in tails] + [opening]
+    data = tmp_path_factory.mktemp("shared") / "shared.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in rows))
+    out = extract(tmp_path_factory, tiny_llama, data, "--dtype", "float32", *BUDGET)
+    capture = read_manifest(out)["capture"]
+    assert capture["split_requests"] >= 5, capture
+    _compare_with_transformers(out, tiny_llama, 1e-4)

@@ -16,34 +16,56 @@ def test_segments_split_on_position_restarts_and_jumps():
     assert segments(mrope) == segments(pos)
 
 
+def _bound(matcher, runs):
+    """Feed (label, tokens, position) runs as one step; return {row: its chunks' labels} and the unused labels."""
+    got, unused = {}, []
+    for label, tokens, pos in runs:
+        done, used = matcher.add(tokens, pos, label)
+        got.update((req.index, chunks) for req, chunks in done)
+        unused += [] if used else [label]
+    matcher.prune()
+    return got, unused
+
+
 def test_matcher_any_order_split_and_duplicates():
     m = RequestMatcher()
     a, b, c = [5, 6, 7], [5, 6, 7, 8, 9, 10], [1, 2]
     for i, ids in enumerate([a, b, c, a]):
         m.expect(i, ids)
-    # step 1: c whole, b's first chunk (which equals request a's full prompt), a whole
-    assert m.match(c, 0).index == 2
-    first = m.match([5, 6, 7], 0)
-    second = m.match([5, 6, 7], 0)
-    assert {first.index, second.index} == {0, 3}  # identical prompts: either copy is right
-    # the remaining prompt starting with 5, 6, 7 is b, matched by its first chunk
-    chunk = m.match([5, 6, 7], 0)
-    assert chunk.index == 1 and m.split_requests == 1
-    chunk.filled = 3
-    assert m.match([8, 9, 10], 3).index == 1
-    assert m.match([8, 9, 10], 4) is None  # wrong position: not a continuation
-    assert m.match([0, 0], 0) is None  # padding or foreign tokens
+    # step 1: c whole, then three runs of 5, 6, 7: a, its copy, and b's first chunk
+    got, unused = _bound(m, [("c", c, 0), ("a", a, 0), ("a'", a, 0), ("b1", [5, 6, 7], 0)])
+    assert got == {2: ["c"], 0: ["a"], 3: ["a'"]} and unused == []  # the third run stays open for b
+    # step 2: b's rest continues the open run; a run at a wrong position or of foreign tokens is unused
+    got, unused = _bound(m, [("b2", [8, 9, 10], 3), ("off", [8, 9, 10], 4), ("pad", [0, 0], 0)])
+    assert got.keys() == {1} and got[1][1] == "b2" and unused == ["off", "pad"] and m.split_requests == 1
+    assert got[1][0] in {"a", "a'", "b1"}  # every run of 5, 6, 7 from position 0 holds b's first states
+    assert m.pending == []
+
+
+def test_matcher_never_swaps_prompts_that_share_a_split_prefix():
+    """The end-to-end run's failure (1,218 of 12,328 rows lost): regenerated conversations share a chat
+    template and greedy first answers, and vLLM split one of them inside the shared part.  The first
+    chunk fits every prompt with that prefix; only its continuation says whose it is."""
+    m = RequestMatcher()
+    shared = [1, 9, 9, 9]
+    x, y, z = shared + [2], shared + [2, 3, 4], shared + [5, 6]  # x is a whole earlier turn of y
+    for i, ids in enumerate([x, y, z]):
+        m.expect(i, ids)
+    got, unused = _bound(m, [("z1", z[:2], 0), ("y1", y[:5], 0)])  # z and y split; y's chunk equals all of x
+    assert got == {0: ["y1"]} and unused == []  # x takes y's states: equal by causal attention
+    got, unused = _bound(m, [("y2", y[5:], 5), ("z2", z[2:], 2), ("x", x, 0)])
+    assert got == {1: ["y1", "y2"], 2: ["z1", "z2"]}  # each continuation found its own start
+    assert unused == ["x"] and m.pending == []  # x's own run came after x was served
 
 
 def test_pending_lists_unfinished_rows():
     m = RequestMatcher()
     m.expect(0, [1, 2, 3])
     m.expect(1, [4])
-    req = m.match([1, 2], 0)
-    req.filled = 2
+    _bound(m, [("a1", [1, 2], 0)])
     assert m.pending == [0, 1]
-    m.finished(req)
-    assert m.pending == [1]
+    assert _bound(m, [("a2", [3], 2), ("b", [4], 0)])[0] == {0: ["a1", "a2"], 1: ["b"]}
+    assert m.pending == []
 
 
 def test_step_capture_equals_blocking_copies():
