@@ -41,6 +41,7 @@ class CaptureStats:
     steps: int = 0
     segments: int = 0
     split_requests: int = 0  # requests whose prompt arrived over more than one step
+    merged_runs: int = 0  # runs holding one request's end and another's continuation (RequestMatcher.add)
     unmatched_tokens: int = 0  # padding or foreign tokens that belong to no expected request
 
     def as_dict(self) -> dict:
@@ -99,6 +100,7 @@ class RequestMatcher:
         self._sorted: list[tuple[int, ...]] = []  # waiting prompts, sorted: those extending T follow T
         self._open: list[_Stream] = []
         self.split_requests = 0
+        self.merged_runs = 0  # runs that held the end of one request and a continuation of another
 
     def expect(self, index: int, token_ids: list[int]) -> None:
         key = tuple(token_ids)
@@ -119,18 +121,41 @@ class RequestMatcher:
         return False
 
     def add(self, tokens: list[int], start_pos: int, chunk) -> tuple[list[tuple[_Request, list]], bool]:
-        """Take one run; returns the requests it completes, each with its chunks, and whether it was used."""
+        """Take one run; returns the requests it completes, each with its chunks, and whether it was used.
+
+        Positions cannot separate a request that ends at position e from a continuation starting at e
+        right after it in the batch (vLLM orders requests by batch slot, and new ones take freed slots),
+        so a run that fits nothing is tried as such a pair, cut where an open stream ends."""
+        done, used = self._take(tokens, start_pos, chunk)
+        if used:
+            return done, True
+        for end in sorted({len(s.tokens) for s in self._open if start_pos < len(s.tokens) < start_pos + len(tokens)}):
+            cut = end - start_pos
+            if self._completes(tokens[:cut], start_pos) and self._continuation(tokens[cut:], end) is not None:
+                self.merged_runs += 1
+                head, _ = self._take(tokens[:cut], start_pos, chunk[:cut])
+                tail, _ = self.add(tokens[cut:], end, chunk[cut:])
+                return head + tail, True
+        return [], False
+
+    def _continuation(self, tokens: list[int], start_pos: int) -> _Stream | None:
+        """The open stream of `start_pos` tokens that `tokens` extend towards a waiting prompt."""
+        for s in self._open:
+            if len(s.tokens) == start_pos and self._extended(tuple(s.tokens + tokens), strictly=False):
+                return s
+        return None
+
+    def _completes(self, tokens: list[int], start_pos: int) -> bool:
+        """Whether the run ends a waiting prompt exactly (from position 0, or continuing an open stream)."""
+        if start_pos == 0:
+            return tuple(tokens) in self._whole
+        return any(len(s.tokens) == start_pos and tuple(s.tokens + tokens) in self._whole for s in self._open)
+
+    def _take(self, tokens: list[int], start_pos: int, chunk) -> tuple[list[tuple[_Request, list]], bool]:
         if start_pos == 0:
             stream = _Stream(list(tokens), [chunk])
         else:
-            stream = next(
-                (
-                    s
-                    for s in self._open
-                    if len(s.tokens) == start_pos and self._extended(tuple(s.tokens + tokens), strictly=False)
-                ),
-                None,
-            )
+            stream = self._continuation(tokens, start_pos)
             if stream is None:
                 return [], False
             stream.tokens += tokens
@@ -323,6 +348,7 @@ class StepCapture:
                 finished += done
             self.matcher.prune()
             self.stats.split_requests = self.matcher.split_requests
+            self.stats.merged_runs = self.matcher.merged_runs
         for req, chunks in finished:
             hidden = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
             self.on_complete(req.index, hidden, list(req.token_ids))
