@@ -149,3 +149,24 @@ def test_joined_rows_take_the_requested_format(tmp_path):
         a, b = (torch.load(hidden_state_path(d, i, legacy=True)) for d in (one, split))
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
         assert all(torch.equal(x, y) for x, y in zip(a["hidden_states"], b["hidden_states"], strict=True))
+
+
+def test_a_full_disk_while_joining_is_one_line_and_leaves_no_partial_row(tmp_path, small_disk):
+    from safetensors.torch import save_file
+
+    from eagle_extract.writer import completed_rows
+
+    writers = []
+    for start, end, slots in ((0, 4, [0, 1]), (4, 8, [2, 3])):
+        root = part_root(tmp_path, start, end)
+        (root / "hidden_states").mkdir(parents=True)
+        for i in range(4):  # 4 MiB per joined row: the 16 MiB disk holds three
+            tensors = {"hidden_states": torch.ones(2048, 2, 128), "token_ids": torch.arange(2048)}
+            save_file(tensors, str(hidden_state_path(root, i)))
+        writers.append({"part": str(root), "slots": slots})
+    joiner = PartJoiner(small_disk, writers, fp8=False, loss_masks=None, threads=1)
+    with pytest.raises(OSError, match=r"disk full writing hs_3.safetensors \(4.0 MiB needed, .* free space and rerun"):
+        joiner.add([[0, 1, 2, 3], [0, 1, 2, 3]])
+        joiner.finish()
+    assert completed_rows(small_disk) == {0, 1, 2}  # whole files only, no temporary file left
+    assert sorted(p.name for p in (small_disk / "hidden_states").iterdir()) == [f"hs_{i}.safetensors" for i in range(3)]

@@ -6,6 +6,7 @@
 # and vicuna_bench_questions.jsonl (held out: never regenerated, extracted or trained on).
 # STAGES (default extract,train,measure) runs some of them, e.g. one per call on a lent GPU.
 # Smaller trial runs: MAX_NEW_TOKENS (answers), MAX_TOKENS (measured decoding), TRAIN_ARGS (e.g. --dry-run).
+# EXTRACT_ARGS adds eagle-extract options (e.g. "--engine-arg gpu_memory_utilization=0.5" to share the GPU).
 # TEMPERATURE (default 0.7) samples the answers; lower is closer to the greedy decoding measured at the end
 # (0: greedy, then COPIES=1). SYNTH=N adds N distinct prompts the model writes itself (synthesize_prompts.py).
 set -euo pipefail
@@ -23,7 +24,7 @@ inputs=("$data/alpaca_seed_tasks.jsonl" "$data/sharegpt_dummy_conversations.json
 if [[ ${SYNTH:-0} -gt 0 ]]; then
   step "synthesize $SYNTH prompts"
   python3 train/synthesize_prompts.py "$work/synth.jsonl" --model "$model" --count "$SYNTH" \
-    --held-out "$data/vicuna_bench_questions.jsonl" --engine-arg gpu_memory_utilization=0.5
+    --held-out "$data/vicuna_bench_questions.jsonl" --engine-arg gpu_memory_utilization=0.4
   inputs+=("$work/synth.jsonl")
 fi
 step "prompts"
@@ -31,7 +32,7 @@ python3 train/build_prompts.py "$work/prompts.jsonl" --copies "$copies" "${input
 
 step "regenerate + extract"
 python3 -m eagle_extract --model "$model" --data "$work/prompts.jsonl" --output "$work/out" --overwrite \
-  --regenerate --temperature "${TEMPERATURE:-0.7}" --top-p 0.95 --max-new-tokens "${MAX_NEW_TOKENS:-512}" --seq-length 2048 --dtype bfloat16
+  --regenerate --temperature "${TEMPERATURE:-0.7}" --top-p 0.95 --max-new-tokens "${MAX_NEW_TOKENS:-512}" --seq-length 2048 --dtype bfloat16 ${EXTRACT_ARGS:-}
 python3 -m eagle_extract verify "$work/out"
 fi
 
