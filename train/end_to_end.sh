@@ -4,8 +4,8 @@
 #   bash train/end_to_end.sh DATA_DIR WORK [COPIES] [EPOCHS]
 # DATA_DIR holds alpaca_seed_tasks.jsonl, sharegpt_dummy_conversations.json (training prompts)
 # and vicuna_bench_questions.jsonl (held out: never regenerated, extracted or trained on).
-# STAGES (default extract,train,measure) runs some of them, e.g. one per call on a lent GPU; a train
-# stage stopped by SIGTERM resumes from speculators' checkpoint when the same command runs again.
+# STAGES (default extract,train,measure) runs some of them, e.g. one per call on a lent GPU; speculators
+# saves a checkpoint on SIGTERM and by default resumes from its latest one (the resume not yet tried here).
 # Smaller trial runs: MAX_NEW_TOKENS (answers), MAX_TOKENS (measured decoding), TRAIN_ARGS (e.g. --dry-run).
 # EXTRACT_ARGS adds eagle-extract options (e.g. "--engine-arg gpu_memory_utilization=0.5" to share the GPU).
 # TEMPERATURE (default 0.7) samples the answers; lower is closer to the greedy decoding measured at the end
