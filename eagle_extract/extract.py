@@ -18,7 +18,7 @@ from . import __version__, shards
 from . import regenerate as regen
 from .data import LoadReport, Sample, make_samples, read_records
 from .layers import CONVENTION, parse_layer_ids
-from .stages import PartJoiner, check_layout
+from .stages import PARTS_DIR, PartJoiner, check_layout
 from .writer import (
     HIDDEN_DIR,
     MANIFEST,
@@ -211,8 +211,9 @@ def prepare_output(
             legacy = identity.get("format") == LEGACY
             done = completed_rows(output, legacy) if rows is None else completed_rows(output, legacy) & rows
             stale_files = list((output / HIDDEN_DIR).glob(".*.tmp")) + list(output.glob(".data_*.pt.tmp"))
+            stale_files += (output / PARTS_DIR).glob(f"*/{HIDDEN_DIR}/*")  # --pp stages' parts: rewritten
             for stale in stale_files:  # other shards' files in flight stay
-                index = re.fullmatch(r"\.(?:hs_|data_)(\d+)\.(?:safetensors|pt)\.tmp", stale.name)
+                index = re.fullmatch(r"\.?(?:hs_|data_)(\d+)\.(?:safetensors|pt)(?:\.tmp)?", stale.name)
                 if rows is None or (index and int(index.group(1)) in rows):
                     stale.unlink(missing_ok=True)
             tmp = output / f"{own.name}.tmp"
