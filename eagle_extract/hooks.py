@@ -197,7 +197,7 @@ class StepCapture:
     K being the slots this pipeline stage holds (all of them without pipeline parallelism).
 
     The hooks only launch work: each adds `hidden + residual` into its slot of a token-major
-    [N, K, H] step buffer on the model's device, and on a GPU the last layer's hook copies that
+    [N, K, H] step buffer on the model's device, and on a GPU the stage's last layer's hook copies that
     buffer to pinned host memory on a side stream, so the forward pass never waits for the host.
     Token-major means every request is a contiguous slice: nothing is re-laid out on the host.
     A background thread waits for each step's copy, splits the step into requests and hands
