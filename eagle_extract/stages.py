@@ -96,9 +96,13 @@ class PartJoiner:
             seen -= ready
         for index in sorted(ready):
             self._futures.append(self._pool.submit(self._join, index))
+        pending = []
         for future in self._futures:  # a failed join (a full disk, say) stops the run now
             if future.done():
                 future.result()
+            else:
+                pending.append(future)
+        self._futures = pending
 
     def _join(self, index: int) -> None:
         mask = None if self.loss_masks is None else self.loss_masks[index]

@@ -96,6 +96,23 @@ def root_cause(log: str) -> str:
     return " | ".join(dict.fromkeys(causes[:1] + lines[-1:])) or "no output"
 
 
+def extracted(model: Path, data: Path, out: Path, *args: str, gpus: str = "0") -> Path:
+    """`extract`, raising the run's root cause when it fails."""
+    rc, log = extract(model, data, out, *args, gpus=gpus)
+    if rc != 0:
+        raise RuntimeError(root_cause(log))
+    return out
+
+
+def rows_compared(a: Path, b: Path) -> tuple[float, int, bool, int]:
+    """Two outputs of the same rows: (worst relative error of a row, rows bitwise equal, token files equal, rows)."""
+    n = json.loads((b / "eagle_extract.json").read_text())["num_samples"]
+    pairs = [(load_row(a, i), load_row(b, i)) for i in range(n)]
+    worst = max(rel_err(x["hidden_states"], y["hidden_states"]) for x, y in pairs)
+    same = sum(torch.equal(x["hidden_states"], y["hidden_states"]) for x, y in pairs)
+    return worst, same, all(torch.equal(x["token_ids"], y["token_ids"]) for x, y in pairs), n
+
+
 def check(name: str, fn) -> None:
     t0 = time.perf_counter()
     try:
@@ -257,10 +274,7 @@ def moe_checks(work: Path, data: Path) -> None:
     check("qwen3-moe float32 TP=2 runs", lambda: run(2))
 
     def tp_equal():
-        n = json.loads((outs[1] / "eagle_extract.json").read_text())["num_samples"]
-        pairs = [(load_row(outs[2], i), load_row(outs[1], i)) for i in range(n)]
-        worst = max(rel_err(a["hidden_states"], b["hidden_states"]) for a, b in pairs)
-        same_ids = all(torch.equal(a["token_ids"], b["token_ids"]) for a, b in pairs)
+        worst, _, same_ids, _ = rows_compared(outs[2], outs[1])
         return worst < 1e-4 and same_ids, f"worst sample rel err {worst:.1e}; token files equal {same_ids}"
 
     check("qwen3-moe float32 TP=2 vs TP=1, < 1e-4", tp_equal)
@@ -378,21 +392,14 @@ def families_checks(work: Path, data: Path, tps: tuple[int, ...]) -> None:
 
         def run(tp, model=model, kind=kind, extra=extra):
             out = work / f"{kind}-fp32-tp{tp}"
-            rc, log = extract(model, data, out, "--tp", str(tp), *small, *extra, gpus="0,1" if tp == 2 else "0")
-            if rc != 0:
-                raise RuntimeError(root_cause(log))
-            return out
+            return extracted(model, data, out, "--tp", str(tp), *small, *extra, gpus="0,1" if tp == 2 else "0")
 
         def vs_transformers(reference=reference, run=run):
             worst, overall = compare_with_reference(run(1), Reference(reference, device=DEVICE))
             return max(worst.values()) < 1e-4, f"worst sample {fmt(worst)}; all tokens max {max(overall.values()):.1e}"
 
         def tp2_vs_tp1(kind=kind, run=run):
-            one, two = work / f"{kind}-fp32-tp1", run(2)
-            n = json.loads((one / "eagle_extract.json").read_text())["num_samples"]
-            pairs = [(load_row(two, i), load_row(one, i)) for i in range(n)]
-            worst = max(rel_err(a["hidden_states"], b["hidden_states"]) for a, b in pairs)
-            ids = all(torch.equal(a["token_ids"], b["token_ids"]) for a, b in pairs)
+            worst, _, ids, _ = rows_compared(run(2), work / f"{kind}-fp32-tp1")
             return worst < 1e-4 and ids, f"worst sample rel err {worst:.1e}; token files equal {ids}"
 
         if 1 in tps:
@@ -421,21 +428,13 @@ def pp_checks(work: Path, data: Path) -> None:
 
         def run(pp, model=model, kind=kind, extra=extra):
             out = work / f"{kind}-pp{pp}"
-            rc, log = extract(model, data, out, "--pp", str(pp), *small, *extra, gpus="0,1" if pp == 2 else "0")
-            if rc != 0:
-                raise RuntimeError(root_cause(log))
-            return out
+            return extracted(model, data, out, "--pp", str(pp), *small, *extra, gpus="0,1" if pp == 2 else "0")
 
         def pp2_vs_pp1(run=run):
             one, two = run(1), run(2)
-            manifest = json.loads((two / "eagle_extract.json").read_text())
-            n = manifest["num_samples"]
-            pairs = [(load_row(two, i), load_row(one, i)) for i in range(n)]
-            worst = max(rel_err(a["hidden_states"], b["hidden_states"]) for a, b in pairs)
-            same = sum(torch.equal(a["hidden_states"], b["hidden_states"]) for a, b in pairs)
-            ids = all(torch.equal(a["token_ids"], b["token_ids"]) for a, b in pairs)
+            worst, same, ids, n = rows_compared(two, one)
             left = list((two / ".pp_parts").glob("**/*.safetensors"))
-            stages = manifest["capture"]["stages"]
+            stages = json.loads((two / "eagle_extract.json").read_text())["capture"]["stages"]
             ok = worst < 1e-4 and ids and not left and len(stages) == 2
             detail = f"worst rel err {worst:.1e}; {same}/{n} rows bitwise equal; token files equal {ids}"
             return ok, f"stages {stages}; {detail}"
