@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 TRAIN = Path(__file__).resolve().parents[1] / "train"
 
@@ -29,6 +30,7 @@ def test_draft_takes_the_extracted_layers_and_vllm_serves_it(tmp_path, smollm2_b
     assert config["eagle_aux_hidden_state_layer_ids"] == manifest["aux_layer_ids"] == [2, 15, 27]
     assert config["draft_vocab_size"] == 2048
     assert config["speculators_config"]["verifier"]["name_or_path"] == manifest["model"]
+    assert config["norm_output"] is False  # what every vLLM serves (older releases drop the field)
 
     prompts = tmp_path / "q.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in ["Name three colours.", "What is 2+2?"]))
@@ -39,7 +41,22 @@ def test_draft_takes_the_extracted_layers_and_vllm_serves_it(tmp_path, smollm2_b
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain, eagle = json.loads(out.read_text())["results"]
     assert eagle["drafts"] > 0 and eagle["mean_acceptance_length"] >= 1.0  # the draft was asked every step
+    rates = eagle["acceptance_rate_per_position"]
+    assert len(rates) == 3 and abs(1 + sum(rates) - eagle["mean_acceptance_length"]) < 2e-3
     assert eagle["texts"] == plain["texts"] and all(plain["texts"])
+
+
+def test_a_draft_layout_the_engine_drops_is_named():
+    """vLLM 0.22 builds its draft config without `norm_output` and `fc_norm`; a draft trained with
+    norm_output=true would silently run its later steps on other inputs than in training."""
+    sys.path.insert(0, str(TRAIN))
+    from check_draft import unhonoured_fields
+
+    draft = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True}
+    served_by_0_22 = SimpleNamespace(norm_before_residual=True, norm_before_fc=True)
+    assert unhonoured_fields(draft, served_by_0_22) == ["norm_output=True"]
+    assert unhonoured_fields({**draft, "norm_output": False}, served_by_0_22) == []
+    assert unhonoured_fields(draft, SimpleNamespace(**draft)) == []
 
 
 def test_outputs_the_trainer_cannot_read_are_refused_in_one_line(tmp_path):

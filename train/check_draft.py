@@ -7,7 +7,9 @@ Runs the same held-out prompts (JSONL rows with "turns" or "messages"; the first
 asked) through vLLM once per mode, greedy: `plain` (no speculation), `eagle3` (the draft) and
 `ngram` (prompt-lookup speculation), each engine started with the same arguments.  Prints one
 table: output tokens/s, speed-up over plain, mean acceptance length (accepted draft tokens per
-verification step plus the bonus token) and whether the text equals plain decoding's.
+verification step plus the bonus token), the acceptance rate at each draft position and whether
+the text equals plain decoding's.  A draft whose config this vLLM would not honour (a field
+such as `norm_output` that older releases drop) is refused before anything is measured.
 Engines are eager unless `--engine-arg enforce_eager=false` (CUDA graphs, on a GPU).
 """
 
@@ -44,8 +46,38 @@ def speculative_config(mode: str, draft: str | None, num_spec: int) -> dict | No
     raise SystemExit(f"Error: unknown mode {mode}; use plain, eagle3 or ngram")
 
 
+# Draft config fields that change the draft's computation; vLLM reads each as False when absent.
+DRAFT_LAYOUT_FIELDS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def unhonoured_fields(draft_config: dict, served_config) -> list[str]:
+    """The draft's layout fields that the engine's draft config does not carry with the same value."""
+    return [
+        f"{name}={draft_config[name]}"
+        for name in DRAFT_LAYOUT_FIELDS
+        if name in draft_config and bool(getattr(served_config, name, False)) != bool(draft_config[name])
+    ]
+
+
+def check_served_draft(llm, draft: str) -> None:
+    served = llm.llm_engine.vllm_config.speculative_config.draft_model_config.hf_config
+    ignored = unhonoured_fields(json.loads((Path(draft) / "config.json").read_text()), served)
+    if ignored:
+        raise SystemExit(
+            f"Error: this vLLM serves the draft without its {', '.join(ignored)} (an older release drops these "
+            "fields), so its later draft steps would not run as trained; retrain with train_draft.py's default "
+            "--no-norm-output, or serve it with a vLLM that reads them"
+        )
+
+
 def _counter(metrics, name: str) -> float:
     return sum(getattr(m, "value", 0) or 0 for m in metrics if m.name == name)
+
+
+def _per_position(metrics) -> list[int]:
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+    vectors = [m.values for m in metrics if m.name == name]
+    return [sum(column) for column in zip(*vectors)]
 
 
 def run_mode(mode: str, opts, chats) -> dict:
@@ -58,6 +90,8 @@ def run_mode(mode: str, opts, chats) -> dict:
         speculative_config=speculative_config(mode, opts.draft, opts.num_spec),
         **settings,
     )
+    if mode == "eagle3":
+        check_served_draft(llm, opts.draft)
     params = SamplingParams(temperature=0.0, max_tokens=opts.max_tokens)
     llm.chat(chats[:2], params, use_tqdm=False)  # warm-up
     before = llm.get_metrics()
@@ -71,6 +105,7 @@ def run_mode(mode: str, opts, chats) -> dict:
     accepted = _counter(after, "vllm:spec_decode_num_accepted_tokens") - _counter(
         before, "vllm:spec_decode_num_accepted_tokens"
     )
+    per_position = [a - b for a, b in zip(_per_position(after), _per_position(before) or [0] * opts.num_spec)]
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     del llm
     gc.collect()
@@ -81,6 +116,7 @@ def run_mode(mode: str, opts, chats) -> dict:
         "tokens_per_s": round(tokens / seconds, 1),
         "drafts": int(drafts),
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+        "acceptance_rate_per_position": [round(n / drafts, 3) for n in per_position] if drafts else None,
         "texts": [o.outputs[0].text for o in outs],
     }
 
@@ -103,14 +139,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     chats = first_questions(opts.prompts, opts.limit)
     results = [run_mode(mode, opts, chats) for mode in opts.modes.split(",")]
     plain = next((r for r in results if r["mode"] == "plain"), None)
-    print("| mode | output tok/s | speed-up | mean acceptance length | same text as plain |")
-    print("|---|---|---|---|---|")
+    print("| mode | output tok/s | speed-up | mean acceptance length | acceptance per position | same text as plain |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         r["speedup"] = round(r["tokens_per_s"] / plain["tokens_per_s"], 3) if plain else None
         r["same_text_as_plain"] = r["texts"] == plain["texts"] if plain else None
         print(
             f"| {r['mode']} | {r['tokens_per_s']:,.1f} | {r['speedup']} | {r['mean_acceptance_length']} | "
-            f"{r['same_text_as_plain']} |"
+            f"{r['acceptance_rate_per_position']} | {r['same_text_as_plain']} |"
         )
     if opts.json:
         opts.json.write_text(

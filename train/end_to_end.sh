@@ -5,7 +5,7 @@
 # DATA_DIR holds alpaca_seed_tasks.jsonl, sharegpt_dummy_conversations.json (training prompts)
 # and vicuna_bench_questions.jsonl (held out: never regenerated, extracted or trained on).
 # STAGES (default extract,train,measure) runs some of them, e.g. one per call on a lent GPU; speculators
-# saves a checkpoint on SIGTERM and by default resumes from its latest one (the resume not yet tried here).
+# checkpoints every quarter epoch and by default resumes from its latest one, so rerunning a cut stage goes on.
 # Smaller trial runs: MAX_NEW_TOKENS (answers), MAX_TOKENS (measured decoding), TRAIN_ARGS (e.g. --dry-run).
 # EXTRACT_ARGS adds eagle-extract options (e.g. "--engine-arg gpu_memory_utilization=0.5" to share the GPU).
 # TEMPERATURE (default 0.7) samples the answers; lower is closer to the greedy decoding measured at the end
@@ -42,7 +42,7 @@ step "train"
 # eager loss: speculators 0.9's fused Triton loss fails under torch 2.11's dynamo on the H200 image
 # ("ListVariable ... is already tracked for mutation" in fused_kl_div_loss's backward).
 python3 train/train_draft.py "$work/out" --save-path "$work/draft" --draft-vocab-size 8192 \
-  --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers 4 --loss-implementation eager
+  --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers 4 --loss-implementation eager --checkpoint-freq 0.25
 fi
 
 if [[ $stages == *measure* ]]; then

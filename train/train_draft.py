@@ -1,13 +1,19 @@
 """Train an EAGLE-3 draft on an eagle-extract output with speculators' own trainer.
 
     python train/train_draft.py OUT --save-path DRAFT [--draft-vocab-size 8192] [--epochs 10]
-        [--lr 1e-4] [--verifier PATH] [--gpus N] [--dry-run] [-- further `speculators train` flags]
+        [--lr 1e-4] [--verifier PATH] [--gpus N] [--norm-output] [--dry-run] [-- further `speculators train` flags]
 
 Everything that must agree with the extraction is read from OUT/eagle_extract.json: the
 verifier, the auxiliary layer ids (so --target-layer-ids can never name other layers than
 the files hold) and the hidden-state dtype.  The trainer itself is speculators' (0.9):
 `python -m speculators.train`, or torchrun over --gpus GPUs.  It needs a GPU; `--dry-run`
 (speculators' own) builds and saves the untrained draft, which runs on a CPU.
+
+The draft is trained with `--no-norm-output` unless --norm-output is given: speculators 0.9
+defaults EAGLE-3 drafts to feeding the *normed* hidden state to the next draft step, but vLLM
+releases before June 2026 (0.22 among them) drop that config field and feed the un-normed one,
+so draft steps 2 and up run on inputs they were never trained on.  `check_draft.py` refuses a
+draft whose config the serving vLLM does not honour.
 
 The draft folder it writes is what vLLM loads as an EAGLE-3 speculator:
 
@@ -65,6 +71,7 @@ def trainer_args(output: Path, manifest: dict, opts: argparse.Namespace) -> list
     ]  # fmt: skip
     if opts.draft_vocab_size:
         args += ["--draft-vocab-size", str(opts.draft_vocab_size)]
+    args.append("--norm-output" if opts.norm_output else "--no-norm-output")
     if opts.dry_run:
         args.append("--dry-run")
     return args + opts.extra
@@ -99,6 +106,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--gpus", type=int, default=1, help="GPUs to train on (torchrun when more than one)")
+    ap.add_argument(
+        "--norm-output",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="feed the normed hidden state to the next draft step (needs a vLLM that reads norm_output)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="build and save the untrained draft, then stop")
     opts = ap.parse_args(argv)
     opts.extra = extra
