@@ -7,6 +7,7 @@
 # STAGES (default extract,train,measure) runs some of them, e.g. one per call on a lent GPU; speculators
 # checkpoints every quarter epoch and by default resumes from its latest one, so rerunning a cut stage goes on.
 # Smaller trial runs: MAX_NEW_TOKENS (answers), MAX_TOKENS (measured decoding), TRAIN_ARGS (e.g. --dry-run).
+# MEASURE_ARGS adds check_draft.py options (e.g. "--temperature 0.7" for sampled decoding).
 # EXTRACT_ARGS adds eagle-extract options (e.g. "--engine-arg gpu_memory_utilization=0.5" to share the GPU).
 # TEMPERATURE (default 0.7) samples the answers; lower is closer to the greedy decoding measured at the end
 # (0: greedy, then COPIES=1). SYNTH=N adds N distinct prompts the model writes itself (synthesize_prompts.py).
@@ -50,5 +51,5 @@ step "measure on held-out prompts"
 draft=$(python3 -c "import sys; sys.path.insert(0, 'train'); from train_draft import servable_draft; print(servable_draft('$work/draft'))")
 python3 train/check_draft.py --verifier "$model" --draft "$draft" \
   --prompts "$data/vicuna_bench_questions.jsonl" --max-tokens "${MAX_TOKENS:-256}" --batch 8 \
-  --engine-arg gpu_memory_utilization=0.25 --json "$work/check_draft.json"
+  --engine-arg gpu_memory_utilization=0.25 --json "$work/check_draft.json" ${MEASURE_ARGS:-}
 fi
