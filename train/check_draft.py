@@ -5,13 +5,25 @@
         [--engine-arg KEY=VALUE ...]
 
 Runs the same held-out prompts (JSONL rows with "turns" or "messages"; the first user turn is
-asked) through vLLM once per mode: `plain` (no speculation), `eagle3` (the draft) and
-`ngram` (prompt-lookup speculation), each engine started with the same arguments; greedy unless
---temperature is above 0 (then sampled, and texts are not compared).  Prints one
-table: output tokens/s, speed-up over plain, mean acceptance length (accepted draft tokens per
-verification step plus the bonus token), the acceptance rate at each draft position and whether
-the text equals plain decoding's.  A draft whose config this vLLM would not honour (a field
-such as `norm_output` that older releases drop) is refused before anything is measured.
+asked) through vLLM once per mode: `plain` (no speculation), `eagle3` (the draft) and `ngram`
+(prompt-lookup speculation over n-grams of --ngram-min to max(4, --ngram-min) tokens), each
+engine started with the same arguments; greedy unless --temperature is above 0 (then sampled,
+and texts are not compared).  Prints one table: output tokens/s, speed-up over plain, vLLM's
+mean acceptance length, tokens per verifier step, the acceptance rate at each draft position,
+and whether the text equals plain decoding's.
+
+The two lengths differ when a method does not propose at every step.  vLLM's mean acceptance
+length (1 + accepted draft tokens per step that had a draft) leaves out the steps without a
+proposal; n-gram proposes only where its n-gram occurred earlier in the text, an EAGLE-3 draft
+at every step.  Tokens per verifier step counts all steps: each step emits 1 + its accepted
+tokens, so output - accepted steps emitted the output, and tokens per step is
+output / (output - accepted): exact but for the accepted tokens vLLM counts past a request's
+end (at most --num-spec per request; about one per request, 1 %, in the H200 runs), so a slight
+overestimate.  It is the figure that sets the speed-up when a verifier step costs far more than
+proposing.
+
+A draft whose config this vLLM would not honour (a field such as `norm_output` that older
+releases drop) is refused before anything is measured.
 Engines are eager unless `--engine-arg enforce_eager=false` (CUDA graphs, on a GPU).
 """
 
@@ -38,13 +50,18 @@ def first_questions(path: Path, limit: int | None) -> list[list[dict]]:
     return chats[:limit]
 
 
-def speculative_config(mode: str, draft: str | None, num_spec: int) -> dict | None:
+def speculative_config(mode: str, draft: str | None, num_spec: int, ngram_min: int = 4) -> dict | None:
     if mode == "plain":
         return None
     if mode == "eagle3":
         return {"method": "eagle3", "model": draft, "num_speculative_tokens": num_spec}
     if mode == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": num_spec, "prompt_lookup_max": 4}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": num_spec,
+            "prompt_lookup_min": ngram_min,
+            "prompt_lookup_max": max(4, ngram_min),
+        }
     raise SystemExit(f"Error: unknown mode {mode}; use plain, eagle3 or ngram")
 
 
@@ -89,7 +106,7 @@ def run_mode(mode: str, opts, chats) -> dict:
     llm = LLM(
         model=opts.verifier,
         disable_log_stats=False,
-        speculative_config=speculative_config(mode, opts.draft, opts.num_spec),
+        speculative_config=speculative_config(mode, opts.draft, opts.num_spec, opts.ngram_min),
         **settings,
     )
     if mode == "eagle3":
@@ -118,6 +135,7 @@ def run_mode(mode: str, opts, chats) -> dict:
         "tokens_per_s": round(tokens / seconds, 1),
         "drafts": int(drafts),
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+        "tokens_per_step": round(tokens / (tokens - accepted), 3),
         "acceptance_rate_per_position": [round(n / drafts, 3) for n in per_position] if drafts else None,
         "texts": [o.outputs[0].text for o in outs],
     }
@@ -133,6 +151,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--num-spec", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
+    ap.add_argument(
+        "--ngram-min", type=int, default=4, help="shortest n-gram the ngram mode matches (longest: max(4, this))"
+    )
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--modes", default="plain,eagle3,ngram")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
@@ -142,14 +163,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     chats = first_questions(opts.prompts, opts.limit)
     results = [run_mode(mode, opts, chats) for mode in opts.modes.split(",")]
     plain = next((r for r in results if r["mode"] == "plain"), None)
-    print("| mode | output tok/s | speed-up | mean acceptance length | acceptance per position | same text as plain |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| mode | output tok/s | speed-up | mean acceptance length (steps with a draft) | tokens per verifier step "
+        "| acceptance per position | same text as plain |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         r["speedup"] = round(r["tokens_per_s"] / plain["tokens_per_s"], 3) if plain else None
         r["same_text_as_plain"] = r["texts"] == plain["texts"] if plain and not opts.temperature else None
         print(
             f"| {r['mode']} | {r['tokens_per_s']:,.1f} | {r['speedup']} | {r['mean_acceptance_length']} | "
-            f"{r['acceptance_rate_per_position']} | {r['same_text_as_plain']} |"
+            f"{r['tokens_per_step']} | {r['acceptance_rate_per_position']} | {r['same_text_as_plain']} |"
         )
     if opts.json:
         opts.json.write_text(
