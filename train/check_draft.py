@@ -135,6 +135,7 @@ def run_mode(mode: str, opts, chats) -> dict:
         "tokens_per_s": round(tokens / seconds, 1),
         "drafts": int(drafts),
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+        "verifier_steps": int(tokens - accepted),
         "tokens_per_step": round(tokens / (tokens - accepted), 3),
         "acceptance_rate_per_position": [round(n / drafts, 3) for n in per_position] if drafts else None,
         "texts": [o.outputs[0].text for o in outs],
