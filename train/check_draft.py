@@ -89,14 +89,15 @@ def check_served_draft(llm, draft: str) -> None:
         )
 
 
-def _counter(metrics, name: str) -> float:
-    return sum(getattr(m, "value", 0) or 0 for m in metrics if m.name == name)
+def _spec_counts(metrics) -> tuple[float, float, list[int]]:
+    """vLLM's speculative-decoding counters so far: drafts, accepted tokens, accepted tokens per position."""
 
+    def total(name: str) -> float:
+        return sum(getattr(m, "value", 0) or 0 for m in metrics if m.name == name)
 
-def _per_position(metrics) -> list[int]:
-    name = "vllm:spec_decode_num_accepted_tokens_per_pos"
-    vectors = [m.values for m in metrics if m.name == name]
-    return [sum(column) for column in zip(*vectors)]
+    vectors = [m.values for m in metrics if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos"]
+    per_position = [sum(column) for column in zip(*vectors)]
+    return total("vllm:spec_decode_num_drafts"), total("vllm:spec_decode_num_accepted_tokens"), per_position
 
 
 def run_mode(mode: str, opts, chats) -> dict:
@@ -120,12 +121,11 @@ def run_mode(mode: str, opts, chats) -> dict:
         outs += llm.chat(chats[start : start + (opts.batch or len(chats))], params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     after = llm.get_metrics()
-    drafts = _counter(after, "vllm:spec_decode_num_drafts") - _counter(before, "vllm:spec_decode_num_drafts")
-    accepted = _counter(after, "vllm:spec_decode_num_accepted_tokens") - _counter(
-        before, "vllm:spec_decode_num_accepted_tokens"
-    )
-    per_position = [a - b for a, b in zip(_per_position(after), _per_position(before) or [0] * opts.num_spec)]
+    (drafts_0, accepted_0, per_position_0), (drafts_1, accepted_1, per_position_1) = map(_spec_counts, (before, after))
+    drafts, accepted = drafts_1 - drafts_0, accepted_1 - accepted_0
+    per_position = [b - a for a, b in zip(per_position_0 or [0] * len(per_position_1), per_position_1)]
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    steps = tokens - accepted  # each verifier step emits 1 + its accepted tokens
     del llm
     gc.collect()
     return {
@@ -135,8 +135,8 @@ def run_mode(mode: str, opts, chats) -> dict:
         "tokens_per_s": round(tokens / seconds, 1),
         "drafts": int(drafts),
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
-        "verifier_steps": int(tokens - accepted),
-        "tokens_per_step": round(tokens / (tokens - accepted), 3),
+        "verifier_steps": int(steps),
+        "tokens_per_step": round(tokens / steps, 3),
         "acceptance_rate_per_position": [round(n / drafts, 3) for n in per_position] if drafts else None,
         "texts": [o.outputs[0].text for o in outs],
     }
