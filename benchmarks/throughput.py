@@ -178,6 +178,7 @@ def main() -> None:
     from transformers import AutoConfig
     from vllm import SamplingParams, TokensPrompt
 
+    from eagle_extract.config import ExtractConfig
     from eagle_extract.engine import start_engine
     from eagle_extract.layers import parse_layer_ids
     from eagle_extract.writer import default_writer_threads
@@ -197,7 +198,8 @@ def main() -> None:
         extra["gpu_memory_utilization"] = 0.42
     with PeakRSS() as mem:
         t0 = time.perf_counter()
-        llm = start_engine(args.model, tp=args.tp, dtype=args.dtype, max_model_len=args.prompt_len + 1, extra=extra)
+        cfg = ExtractConfig(model=args.model, tp=args.tp, dtype=args.dtype, engine_args=extra)
+        llm = start_engine(cfg, max_model_len=args.prompt_len + 1)
         start_s = time.perf_counter() - t0
         params = SamplingParams(max_tokens=1, detokenize=False)
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]

@@ -1,24 +1,18 @@
-"""The `eagle-extract` command line."""
+"""The `eagle-extract` command line: a thin shell over the Python API (`api.py`)."""
 
 from __future__ import annotations
 
 import json
-import signal
-from importlib import resources
 from pathlib import Path
 
 import click
 
-from .extract import ExtractConfig, ExtractError, run
-from .formats import FORMATS, DataError
-from .layers import LayerError
+from . import api
+from .config import CHOICES, ExtractConfig
+from .errors import ExtractError
+from .interrupts import stop_on_sigterm
 
-BUNDLED_MODEL = "smollm2"
-BUNDLED_DATA = "sharegpt_dummy_conversations.json"
-
-
-def _bundled_data() -> Path:
-    return Path(str(resources.files("eagle_extract") / "sample_data" / BUNDLED_DATA))
+D = ExtractConfig()  # the defaults, shared with the API
 
 
 def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
@@ -51,7 +45,7 @@ def main():
 @main.command("extract", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option(
     "--model",
-    default=BUNDLED_MODEL,
+    default=D.model,
     show_default=True,
     help="Checkpoint folder (config.json, weights, tokenizer). 'smollm2' builds and uses the bundled "
     "SmolLM2-135M-Instruct.",
@@ -66,8 +60,8 @@ def main():
 )
 @click.option(
     "--data-format",
-    type=click.Choice(FORMATS),
-    default="auto",
+    type=click.Choice(CHOICES["data_format"]),
+    default=D.data_format,
     show_default=True,
     help="Row format; 'auto' detects it per row.",
 )
@@ -75,7 +69,7 @@ def main():
 @click.option(
     "--output",
     type=click.Path(path_type=Path),
-    default=Path("eagle-extract-output"),
+    default=D.output,
     show_default=True,
     help="Output folder, laid out for `speculators train --data-path`.",
 )
@@ -86,18 +80,18 @@ def main():
     "entering layer L). The final slot (id = number of layers) is always added. "
     "[default: 2, n//2, n-3]",
 )
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size (GPUs per engine).")
+@click.option("--tp", type=int, default=D.tp, show_default=True, help="Tensor-parallel size (GPUs per engine).")
 @click.option(
     "--pp",
     type=int,
-    default=1,
+    default=D.pp,
     show_default=True,
     help="Pipeline-parallel stages (engine GPUs = --tp x --pp); each stage captures its own layers. GPU builds only.",
 )
 @click.option(
     "--dp",
     type=click.IntRange(min=1),
-    default=1,
+    default=D.dp,
     show_default=True,
     help="Engine replicas on this machine, each with --tp GPUs (or a share of the CPU cores) and a share of the rows.",
 )
@@ -112,14 +106,14 @@ def main():
 @click.option(
     "--seq-length",
     type=int,
-    default=2048,
+    default=D.seq_length,
     show_default=True,
     help="Longest sample in tokens; see --long-samples.",
 )
 @click.option(
     "--long-samples",
-    type=click.Choice(["truncate", "skip"]),
-    default="truncate",
+    type=click.Choice(CHOICES["long_samples"]),
+    default=D.long_samples,
     show_default=True,
     help="What to do with samples longer than --seq-length; counts are reported.",
 )
@@ -129,23 +123,31 @@ def main():
     help="Let the model write every assistant turn itself, turn by turn, before extraction "
     "(questions-only data becomes training data); saved as regenerated.jsonl in --output.",
 )
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="--regenerate sampling; 0 is greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="--regenerate sampling.")
 @click.option(
-    "--max-new-tokens", type=int, default=1024, show_default=True, help="--regenerate: longest answer in tokens."
+    "--temperature", type=float, default=D.temperature, show_default=True, help="--regenerate sampling; 0 is greedy."
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="--regenerate sampling seed (plus row number).")
+@click.option("--top-p", type=float, default=D.top_p, show_default=True, help="--regenerate sampling.")
+@click.option(
+    "--max-new-tokens",
+    type=int,
+    default=D.max_new_tokens,
+    show_default=True,
+    help="--regenerate: longest answer in tokens.",
+)
+@click.option(
+    "--seed", type=int, default=D.seed, show_default=True, help="--regenerate sampling seed (plus row number)."
+)
 @click.option(
     "--dtype",
-    type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
-    default="auto",
+    type=click.Choice(CHOICES["dtype"]),
+    default=D.dtype,
     show_default=True,
     help="Model dtype, and the dtype of the stored hidden states.",
 )
 @click.option(
     "--batch-size",
     type=int,
-    default=256,
+    default=D.batch_size,
     show_default=True,
     help="Samples handed to vLLM per generate call (progress is reported per call).",
 )
@@ -173,17 +175,16 @@ def main():
 @click.option("--overwrite", is_flag=True, help="Replace an existing extraction in --output.")
 @click.option(
     "--storage-dtype",
-    type=click.Choice(["model", "fp8"]),
-    default="model",
+    type=click.Choice(CHOICES["storage_dtype"]),
+    default=D.storage_dtype,
     show_default=True,
     help="'model' stores the model dtype; 'fp8' stores speculators' FP8 layout (float8_e4m3fn values and a "
     "float32 scale per token), half the bytes of bf16.",
 )
 @click.option(
     "--format",
-    "output_format",
-    type=click.Choice(["speculators", "speculators-legacy"]),
-    default="speculators",
+    type=click.Choice(CHOICES["format"]),
+    default=D.format,
     show_default=True,
     help="'speculators-legacy' writes speculators 0.3/0.4's data_{i}.pt files (layer ids translated to that "
     "version's numbering of layer outputs, recorded in the manifest).",
@@ -196,40 +197,13 @@ def main():
 )
 @click.option(
     "--no-disk-check",
+    "check_disk",
     is_flag=True,
+    flag_value=False,
+    default=D.check_disk,
     help="Start even when the estimated output is larger than the free disk space (e.g. space freed during the run).",
 )
-def extract_command(
-    model,
-    data,
-    output,
-    layers,
-    tp,
-    pp,
-    max_samples,
-    seq_length,
-    dtype,
-    batch_size,
-    max_num_batched_tokens,
-    engine_args,
-    decoder_path,
-    trust_remote_code,
-    overwrite,
-    storage_dtype,
-    output_format,
-    writer_threads,
-    no_disk_check,
-    data_format,
-    strict,
-    long_samples,
-    dp,
-    shard,
-    regenerate,
-    temperature,
-    top_p,
-    max_new_tokens,
-    seed,
-):
+def extract_command(engine_args, **options):
     """Capture EAGLE-3 training hidden states from a model running in vLLM.
 
     Writes speculators' offline layout: an Arrow dataset (input_ids, loss_mask, seq_len),
@@ -237,48 +211,8 @@ def extract_command(
     With no options it extracts the bundled SmolLM2 model over the bundled conversations.
     Rerunning an interrupted command resumes it. Check an output with `eagle-extract verify DIR`.
     """
-    extra = _parse_engine_args(engine_args)
-    if max_num_batched_tokens:
-        extra["max_num_batched_tokens"] = max_num_batched_tokens
-    if model == BUNDLED_MODEL:
-        from .smollm2 import ensure_smollm2
-
-        model = str(ensure_smollm2())
-    cfg = ExtractConfig(
-        model=model,
-        data=data or _bundled_data(),
-        output=output,
-        layers=layers,
-        tp=tp,
-        pp=pp,
-        dtype=dtype,
-        seq_length=seq_length,
-        max_samples=max_samples,
-        batch_size=batch_size,
-        trust_remote_code=trust_remote_code,
-        overwrite=overwrite,
-        check_disk=not no_disk_check,
-        storage_dtype=storage_dtype,
-        format=output_format,
-        writer_threads=writer_threads,
-        decoder_path=decoder_path,
-        engine_args=extra,
-        data_format=data_format,
-        strict=strict,
-        long_samples=long_samples,
-        shard=shard,
-        regenerate=regenerate,
-        temperature=temperature,
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-    )
-    if dp > 1:
-        from .replicas import run_replicas
-
-        _summarise(_run_or_fail(lambda c, log: run_replicas(c, dp, log=log), cfg), model, output)
-    else:
-        _summarise(_run_or_fail(run, cfg), model, output)
+    engine_args = _parse_engine_args(engine_args)
+    _summarise(_run_or_fail(api.extract, engine_args=engine_args, **options))
 
 
 @main.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -286,22 +220,15 @@ def extract_command(
 def merge(output):
     """Complete a sharded output once every shard (--shard I/N) has finished: write the Arrow
     dataset, token_freq.pt and the manifest. Names the shards still missing."""
-    from .extract import merge as complete
-
-    manifest = _run_or_fail(complete, output)
-    _summarise(manifest, manifest["model"], output)
+    _summarise(_run_or_fail(api.merge, output))
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
-def _run_or_fail(fn, *args) -> dict:
+def _run_or_fail(fn, *args, **kwargs):
     """Run the job; user-facing failures and SIGINT/SIGTERM become one line and exit 1."""
-    signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop: leave resumable, like Ctrl-C
+    stop_on_sigterm()  # a scheduler's stop: leave resumable, like Ctrl-C
     try:
-        return fn(*args, log=click.echo)
-    except (ExtractError, LayerError, DataError) as exc:
+        return fn(*args, log=click.echo, **kwargs)
+    except ExtractError as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         raise click.ClickException(
@@ -309,33 +236,32 @@ def _run_or_fail(fn, *args) -> dict:
         ) from None
 
 
-def _summarise(manifest: dict, model: str, output: Path) -> None:
-    if manifest.get("complete") is False:  # one shard of several
-        rate = manifest["tokens"] / manifest["extract_s"] if manifest["extract_s"] else 0
-        waiting = ", ".join(f"{k}/{manifest['shard'].split('/')[1]}" for k in manifest["waiting_for"])
+def _summarise(summary: api.Summary) -> None:
+    output = summary.output
+    if not summary.complete:  # one shard of several
+        waiting = ", ".join(f"{k}/{summary.shard.split('/')[1]}" for k in summary.waiting_for)
         click.echo(
-            f"shard {manifest['shard']} done: {manifest['rows']} samples ({rate:,.0f} tokens/s; engine start "
-            f"{manifest['engine_start_s']:.1f} s); the dataset is completed when shard(s) {waiting or '-'} "
+            f"shard {summary.shard} done: {summary.rows} samples ({summary.tokens_per_s:,.0f} tokens/s; engine start "
+            f"{summary.engine_start_s:.1f} s); the dataset is completed when shard(s) {waiting or '-'} "
             f"finish, or by `eagle-extract merge {output}`"
         )
         return
-    t = manifest["timing"]
     click.echo(
-        f"done: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
-        f"{manifest['bytes_written'] / 2**20:.1f} MiB in {t['extract_s']:.1f} s "
-        f"({t['tokens_per_s']:,.0f} tokens/s; engine start {t['engine_start_s']:.1f} s); "
-        f"truncated {manifest['truncated']}, skipped {manifest['skipped']} "
-        f"({manifest['skipped_long']} over --seq-length)"
+        f"done: {summary.rows} samples, {summary.tokens} tokens, "
+        f"{summary.bytes_written / 2**20:.1f} MiB in {summary.extract_s:.1f} s "
+        f"({summary.tokens_per_s:,.0f} tokens/s; engine start {summary.engine_start_s:.1f} s); "
+        f"truncated {summary.truncated}, skipped {summary.skipped} "
+        f"({summary.skipped_long} over --seq-length)"
     )
-    if manifest["skipped"]:
-        click.echo(f"skipped rows and why: {Path(output) / 'skipped_rows.jsonl'}")
+    if summary.skipped_rows:
+        click.echo(f"skipped rows and why: {summary.skipped_rows}")
     click.echo(f"output: {Path(output).resolve()}")
-    if manifest.get("legacy_layer_ids"):
-        click.echo(f"legacy layer ids (outputs of layers): {manifest['legacy_layer_ids']}")
+    if summary.legacy_layer_ids:
+        click.echo(f"legacy layer ids (outputs of layers): {summary.legacy_layer_ids}")
         return
-    ids = " ".join(map(str, manifest["aux_layer_ids"]))  # speculators takes a space-separated list
+    ids = " ".join(map(str, summary.aux_layer_ids))  # speculators takes a space-separated list
     click.echo(
-        f"train on it: speculators train --verifier-name-or-path {model} --data-path {output} "
+        f"train on it: speculators train --verifier-name-or-path {summary.model} --data-path {output} "
         f"--speculator-type eagle3 --target-layer-ids {ids}"
     )
 
@@ -349,25 +275,15 @@ def verify(output, repair):
     """Check an eagle-extract output: every row's file present and readable to the end, shapes
     and dtypes as the manifest says, token_ids equal to input_ids, no NaN or Inf, token_freq.pt
     consistent. Exits 1 and lists the problems when there are any."""
-    from .extract import repair as rerun_rows
-    from .verify import verify as find_problems
-
-    problems = find_problems(output)
-    for row, why in problems:
+    report = api.verify(output, progress=True)
+    for row, why in report.problems:
         click.echo(f"{'row ' + str(row) if row is not None else 'output'}: {why}", err=True)
-    if not problems:
+    if report.ok:
         click.echo(f"ok: {output} passes every check")
         return
     if not repair:
         raise click.ClickException(
-            f"{len(problems)} problem(s) in {output}; `eagle-extract verify --repair {output}` fixes them"
+            f"{len(report.problems)} problem(s) in {output}; `eagle-extract verify --repair {output}` fixes them"
         )
-    if not (output / "eagle_extract.json").exists():
-        raise click.ClickException("no manifest to repair from: rerun the original extraction command to resume it")
-    rows = sorted({row for row, _ in problems if row is not None})
-    click.echo(f"repairing {len(rows)} row(s)")
-    manifest = _run_or_fail(lambda log: rerun_rows(output, rows, log=log))
-    remaining = find_problems(output, progress=False)
-    if remaining:
-        raise click.ClickException(f"{len(remaining)} problem(s) remain after repair; first: {remaining[0][1]}")
-    click.echo(f"repaired: {output} passes every check ({manifest['num_samples']} rows)")
+    summary = _run_or_fail(api.repair, output, report.rows)
+    click.echo(f"repaired: {output} passes every check ({summary.rows} rows)")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from .config import ExtractConfig
+from .errors import ExtractError
 from .worker import EXTENSION_CLASS
 
 # Engine arguments eagle-extract owns; users may not override them through --engine-arg.
@@ -55,34 +57,26 @@ def check_engine_args(extra: dict) -> None:
     """Refuse engine arguments that would silently disable capture (hooks need eager mode)."""
     clash = sorted(k for k in extra if k in FIXED_ARGS or k in {"model", "tensor_parallel_size"})
     if clash:
-        raise ValueError(
+        raise ExtractError(
             f"engine argument {clash[0]} is fixed by eagle-extract (hooks need eager mode, no prefix "
             "caching and the worker extension); remove it"
         )
 
 
-def start_engine(
-    model: str,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    dtype: str = "auto",
-    max_model_len: int | None = None,
-    trust_remote_code: bool = False,
-    extra: dict | None = None,
-):
-    extra = dict(extra or {})
+def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
+    """vllm.LLM for `cfg`: the options that are engine arguments, --engine-arg, and FIXED_ARGS."""
+    extra = cfg.engine_kwargs()
     check_engine_args(extra)
-    prepare_environment(tp, pp, dtype)
+    prepare_environment(cfg.tp, cfg.pp, cfg.dtype)
     from vllm import LLM
 
     return LLM(
-        model=model,
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-        dtype=dtype,
+        model=cfg.model,
+        tensor_parallel_size=cfg.tp,
+        pipeline_parallel_size=cfg.pp,
+        dtype=cfg.dtype,
         max_model_len=max_model_len,
-        trust_remote_code=trust_remote_code,
+        trust_remote_code=cfg.trust_remote_code,
         **FIXED_ARGS,
         **extra,
     )

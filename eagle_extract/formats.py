@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from .errors import ExtractError
+
 FORMATS = ("auto", "messages", "sharegpt", "alpaca", "tokens", "text", "questions")
 SHAREGPT_ROLES = {
     "human": "user",
@@ -45,7 +47,7 @@ class BadRow(ValueError):
     """A row that cannot become a training sample; the message says why."""
 
 
-class DataError(ValueError):
+class DataError(ExtractError):
     """The data source as a whole is unusable."""
 
 

@@ -7,6 +7,8 @@ written as the final slot.
 
 from __future__ import annotations
 
+from .errors import ExtractError
+
 CONVENTION = (
     "vllm-eagle3: slot for id L is the residual stream entering decoder layer L "
     "(= transformers output_hidden_states[L]); the last slot, id num_hidden_layers, is the "
@@ -14,7 +16,7 @@ CONVENTION = (
 )
 
 
-class LayerError(ValueError):
+class LayerError(ExtractError):
     pass
 
 
@@ -41,3 +43,9 @@ def parse_layer_ids(text: str | None, num_layers: int) -> list[int]:
     if dupes:
         raise LayerError(f"--layers: id {dupes[0]} is given twice; list each layer once")
     return sorted(ids)
+
+
+def legacy_layer_ids(slot_ids: list[int]) -> list[int]:
+    """speculators 0.3/0.4 numbered layer outputs: our id L (the input of layer L, which is the
+    output of layer L-1) is their L-1, and the final slot n (last layer's output) is their n-1."""
+    return [layer - 1 for layer in slot_ids]

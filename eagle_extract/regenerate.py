@@ -9,10 +9,11 @@ see.  All conversations advance together, one batched `generate` call per turn.
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from .atomic import write_atomically
+from .config import ExtractConfig
 from .formats import Record
 
 REGENERATED = "regenerated.jsonl"  # the conversations as the model answered them, beside the output
@@ -32,18 +33,25 @@ def _prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def regenerate(
-    llm,
-    tokenizer,
-    records: list[Record],
-    *,
-    seq_length: int,
-    temperature: float,
-    top_p: float,
-    max_new_tokens: int,
-    seed: int,
-) -> tuple[list[Record], RegenerateStats]:
-    """Records with every assistant turn written by the model; other rows pass through."""
+def answers(llm, cfg: ExtractConfig, tokenizer, records: list[Record], log) -> tuple[list[Record], dict]:
+    """The model's own answers: loaded when an interrupted run already made them, else generated and saved."""
+    output = Path(cfg.output)
+    saved = load(output, records)
+    if saved is not None:
+        log(f"using the {REGENERATED} an interrupted run already wrote")
+        return saved, {"reused": True}
+    out, stats = regenerate(llm, tokenizer, records, cfg)
+    save(output, out)
+    log(
+        f"regenerated {stats.answers} answers in {stats.conversations} conversations "
+        f"({stats.hit_max_new_tokens} stopped at --max-new-tokens, {stats.cut_at_seq_length} cut at --seq-length, "
+        f"{stats.kept_as_is} rows kept as they were); saved to {output / REGENERATED}"
+    )
+    return out, asdict(stats)
+
+
+def regenerate(llm, tokenizer, records: list[Record], cfg: ExtractConfig) -> tuple[list[Record], RegenerateStats]:
+    """Records with every assistant turn written by the model, sampled as `cfg` says; other rows pass through."""
     from tqdm import tqdm
     from vllm import SamplingParams, TokensPrompt
 
@@ -70,16 +78,15 @@ def regenerate(
                     del todo[i]
                     continue
                 ids = _prompt_ids(tokenizer, convo)
-                room = min(max_new_tokens, seq_length - len(ids))
+                room = min(cfg.max_new_tokens, cfg.seq_length - len(ids))
                 if room <= 0:  # this turn cannot fit: the conversation ends with the previous answer
                     stats.cut_at_seq_length += 1
                     bar.update(1 + sum(m["role"] == "user" for m in turns))
                     done[i] = convo[:-1]
                     del todo[i]
                     continue
-                params = SamplingParams(
-                    max_tokens=room, temperature=temperature, top_p=top_p, seed=seed + records[i].row
-                )
+                seed = cfg.seed + records[i].row
+                params = SamplingParams(max_tokens=room, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
                 prompts.append((TokensPrompt(prompt_token_ids=ids), params))
                 owners.append(i)
             if not prompts:
@@ -99,12 +106,14 @@ def regenerate(
 
 def save(output: Path, records: list[Record]) -> None:
     """Write the regenerated conversations atomically, one {"row", "messages"} object per line."""
-    tmp = Path(output) / f".{REGENERATED}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for rec in records:
-            if rec.messages is not None:
-                f.write(json.dumps({"row": rec.row, "messages": rec.messages}, ensure_ascii=False) + "\n")
-    os.replace(tmp, Path(output) / REGENERATED)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for rec in records:
+                if rec.messages is not None:
+                    f.write(json.dumps({"row": rec.row, "messages": rec.messages}, ensure_ascii=False) + "\n")
+
+    write_atomically(Path(output) / REGENERATED, write)
 
 
 def load(output: Path, records: list[Record]) -> list[Record] | None:

@@ -17,19 +17,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from .config import ExtractConfig
 from .engine import cpu_thread_binding
-from .extract import (
-    LEGACY,
-    RUN_FILE,
-    ExtractConfig,
-    ExtractError,
-    config_record,
-    make_plan,
-    merge,
-    plan_samples,
-    prepare_output,
-    run,
-)
+from .errors import ExtractError
+from .interrupts import stop_on_sigterm
+from .output import finish_run, merge, prepare_output
+from .plan import make_plan, plan_samples
+from .run import run
 from .shards import SHARDS_DIR
 from .writer import MANIFEST, completed_rows, read_manifest
 
@@ -60,23 +54,22 @@ def _last_line(path: Path) -> str:
     return lines[-1] if lines else "no output"
 
 
-def run_replicas(cfg: ExtractConfig, dp: int, log=print) -> dict:
+def run_replicas(cfg: ExtractConfig, log=print) -> dict:
+    """`cfg.dp` replicas of `cfg` (resolved), each a shard; returns the completed output's manifest."""
     from tqdm import tqdm
 
-    if cfg.shard or cfg.regenerate:
-        raise ExtractError("--dp cannot be combined with --shard or --regenerate")
+    dp = cfg.dp
     plan = make_plan(cfg)  # every input check once, before any engine starts
     samples, _ = plan_samples(plan)
     output = Path(cfg.output)
     slices = device_slices(dp, cfg.tp, cfg.pp)
     prepare_output(output, plan.identity, cfg.overwrite)  # clears the folder once when asked to
-    (output / RUN_FILE).unlink()
+    finish_run(output, None)
     (output / SHARDS_DIR).mkdir(exist_ok=True)
-    legacy = cfg.format == LEGACY
     procs = []
     try:
         for k, part in enumerate(slices):
-            config = config_record(replace(cfg, shard=f"{k}/{dp}"))
+            config = replace(cfg, shard=f"{k}/{dp}", dp=1).record()
             cores = part.get("cores")
             with open(output / SHARDS_DIR / f"{k}-of-{dp}.log", "w") as logfile:  # the child keeps its own handle
                 procs.append(
@@ -91,7 +84,7 @@ def run_replicas(cfg: ExtractConfig, dp: int, log=print) -> dict:
         log(f"{dp} replicas started ({', '.join(str(p.pid) for p in procs)}); logs in {output / SHARDS_DIR}")
         with tqdm(total=len(samples), unit="sample", desc=f"extract x{dp}", dynamic_ncols=True) as bar:
             while True:
-                bar.update(len(completed_rows(output, legacy)) - bar.n)
+                bar.update(len(completed_rows(output, cfg.legacy)) - bar.n)
                 failed = [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]
                 if failed:
                     k = failed[0]
@@ -108,21 +101,18 @@ def run_replicas(cfg: ExtractConfig, dp: int, log=print) -> dict:
                 p.send_signal(signal.SIGTERM)
         for p in procs:
             p.wait()
-    return read_manifest(output) if (output / MANIFEST).exists() else merge(output, log=log)
+    return read_manifest(output) if (output / MANIFEST).exists() else merge(output)
 
 
 def _replica(config_json: str) -> int:
     """One replica's process: the parent passes its ExtractConfig as JSON."""
-    from .cli import _interrupt
-
-    signal.signal(signal.SIGTERM, _interrupt)
-    fields = json.loads(config_json)
-    cfg = ExtractConfig(**{**fields, "data": Path(fields["data"]), "output": Path(fields["output"])})
+    stop_on_sigterm()
+    cfg = ExtractConfig.from_record(json.loads(config_json))
     where = os.environ.get("CUDA_VISIBLE_DEVICES") or f"CPU cores {sorted(os.sched_getaffinity(0))}"
     print(f"replica {cfg.shard} on {'GPUs ' if 'CUDA_VISIBLE_DEVICES' in os.environ else ''}{where}", flush=True)
     try:
         run(cfg)
-    except (ExtractError, ValueError) as exc:  # DataError and LayerError are ValueErrors
+    except ExtractError as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

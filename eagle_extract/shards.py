@@ -14,12 +14,15 @@ import os
 import re
 from pathlib import Path
 
+from .atomic import write_json
+from .errors import ExtractError
+
 SHARDS_DIR = "shards"
 COMPLETING = ".completing"  # lock: one job writes the dataset files
 _SPEC = re.compile(r"^(\d+)/(\d+)$")
 
 
-class ShardError(ValueError):
+class ShardError(ExtractError):
     """A bad --shard value or an output whose shards do not fit together; one line."""
 
 
@@ -44,9 +47,7 @@ def owns(shard: tuple[int, int] | None, source_row: int) -> bool:
 def record_finished(output: Path, shard: tuple[int, int], summary: dict) -> None:
     folder = Path(output) / SHARDS_DIR
     folder.mkdir(exist_ok=True)
-    tmp = folder / f".{shard_name(shard)}.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, folder / f"{shard_name(shard)}.json")
+    write_json(folder / f"{shard_name(shard)}.json", summary)
 
 
 def finished(output: Path, num_shards: int) -> dict[int, dict]:

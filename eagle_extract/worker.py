@@ -7,7 +7,7 @@ small plain data; tensors never cross the RPC boundary, they go straight to disk
 
 from __future__ import annotations
 
-from .hooks import StepCapture
+from .capture import StepCapture
 from .model_nav import find_decoder
 from .stages import part_root, stage_slots
 from .writer import BackgroundWriter

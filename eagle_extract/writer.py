@@ -14,7 +14,6 @@ crash never leaves a partial file under a final name.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import queue
@@ -28,6 +27,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .atomic import write_atomically, write_json
+
 HIDDEN_DIR = "hidden_states"
 MANIFEST = "eagle_extract.json"
 
@@ -36,14 +37,6 @@ def hidden_state_path(output: Path, index: int, legacy: bool = False) -> Path:
     if legacy:
         return Path(output) / f"data_{index}.pt"
     return Path(output) / HIDDEN_DIR / f"hs_{index}.safetensors"
-
-
-def _disk_full_message(path: Path, nbytes: int) -> str:
-    free = shutil.disk_usage(path.parent).free
-    return (
-        f"disk full writing {path.name} ({nbytes / 2**20:.1f} MiB needed, {free / 2**20:.1f} MiB free): "
-        "free space and rerun the same command to resume"
-    )
 
 
 FP8 = torch.float8_e4m3fn
@@ -58,19 +51,6 @@ def to_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (wide / scale).to(FP8), scale
 
 
-def _save_atomically(path: Path, save, nbytes: int) -> None:
-    """save(tmp) then rename: a final name only ever holds a whole file; ENOSPC becomes one line."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        save(tmp)
-        os.replace(tmp, path)
-    except Exception as exc:
-        tmp.unlink(missing_ok=True)
-        if _is_disk_full(exc):
-            raise OSError(errno.ENOSPC, _disk_full_message(path, nbytes)) from None
-        raise
-
-
 def write_hidden_states(
     output: Path, index: int, hidden: torch.Tensor, token_ids: list[int], fp8: bool = False
 ) -> None:
@@ -80,7 +60,7 @@ def write_hidden_states(
         tensors["hidden_states"], tensors[SCALES] = to_fp8(hidden)
     else:
         tensors["hidden_states"] = hidden.contiguous()
-    _save_atomically(hidden_state_path(output, index), lambda tmp: save_file(tensors, str(tmp)), hidden.nbytes)
+    write_atomically(hidden_state_path(output, index), lambda tmp: save_file(tensors, str(tmp)), hidden.nbytes)
 
 
 def write_legacy(output: Path, index: int, hidden: torch.Tensor, token_ids: list[int], loss_mask: list[int]) -> None:
@@ -90,14 +70,7 @@ def write_legacy(output: Path, index: int, hidden: torch.Tensor, token_ids: list
         "hidden_states": [hidden[:, k].clone() for k in range(hidden.shape[1])],
         "loss_mask": torch.tensor(loss_mask, dtype=torch.long),
     }
-    _save_atomically(hidden_state_path(output, index, True), lambda tmp: torch.save(sample, tmp), hidden.nbytes)
-
-
-def _is_disk_full(exc: Exception) -> bool:
-    """ENOSPC as an OSError, or inside safetensors' own error, which carries only the text."""
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return True
-    return "No space left on device" in str(exc) or "os error 28" in str(exc)
+    write_atomically(hidden_state_path(output, index, True), lambda tmp: torch.save(sample, tmp), hidden.nbytes)
 
 
 def default_writer_threads() -> int:
@@ -226,15 +199,12 @@ def write_dataset(output: Path, input_ids: list[list[int]], loss_masks: list[lis
             os.replace(item, output / item.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    tmp = output / ".token_freq.pt.tmp"
-    torch.save(token_frequencies(input_ids, loss_masks), tmp)
-    os.replace(tmp, output / "token_freq.pt")
+    freq = token_frequencies(input_ids, loss_masks)
+    write_atomically(output / "token_freq.pt", lambda tmp: torch.save(freq, tmp))
 
 
 def write_manifest(output: Path, manifest: dict) -> None:
-    tmp = Path(output) / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, Path(output) / MANIFEST)
+    write_json(Path(output) / MANIFEST, manifest)
 
 
 def read_manifest(output: Path) -> dict:

@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 releases=("$@")
 [ ${#releases[@]} -eq 0 ] && releases=(0.28.0 0.30.0 0.32.0)
-tests=(tests/test_extraction.py tests/test_model_nav.py tests/test_hooks.py tests/test_speculators_interop.py tests/test_models.py)
+tests=(tests/test_extraction.py tests/test_model_nav.py tests/test_matching.py tests/test_capture.py tests/test_speculators_interop.py tests/test_models.py)
 mkdir -p matrix-logs
 rows=()
 for v in "${releases[@]}"; do

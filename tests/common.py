@@ -113,7 +113,7 @@ def capture_vs_synchronous(device: str, hidden: int = 64, layers: int = 4, steps
     Requests of random lengths are packed into flat steps in shuffled order, long ones split
     across steps.  Returns (rows compared, rows bitwise equal to the synchronous copies).
     """
-    from eagle_extract.hooks import StepCapture, _layer_inputs
+    from eagle_extract.capture import StepCapture, _layer_inputs
     from eagle_extract.model_nav import DecoderStack
 
     gen = torch.Generator().manual_seed(0)

@@ -12,7 +12,7 @@ import json
 import torch
 from datasets import load_from_disk
 
-from eagle_extract.extract import legacy_layer_ids
+from eagle_extract.layers import legacy_layer_ids
 
 from .common import Reference, rel_err
 from .conftest import BUDGET, run_cli

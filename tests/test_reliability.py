@@ -14,8 +14,8 @@ import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file, save_file
 
-from eagle_extract.extract import RUN_FILE
-from eagle_extract.verify import verify
+from eagle_extract import verify
+from eagle_extract.output import RUN_FILE
 from eagle_extract.writer import hidden_state_path, read_manifest
 
 from .common import load_row, rel_err
@@ -39,7 +39,7 @@ def _assert_same_output(got, want):
 
 
 def test_clean_output_verifies(tiny_tp1_out):
-    assert verify(tiny_tp1_out, progress=False) == []
+    assert verify(tiny_tp1_out).problems == []
     proc = run_cli("verify", str(tiny_tp1_out))
     assert "passes every check" in proc.stdout
 
@@ -79,7 +79,7 @@ def test_verify_finds_every_damage_and_repair_fixes_it(tmp_path, tiny_tp1_out):
     out = tmp_path / "damaged"
     shutil.copytree(tiny_tp1_out, out)
     expected = _damage(out)
-    found = dict(verify(out, progress=False))
+    found = dict(verify(out).problems)
     assert set(found) == set(expected)
     for row, words in expected.items():
         assert words in found[row], (row, found[row])
@@ -197,14 +197,14 @@ def test_two_runs_of_the_same_command_are_identical(tmp_path, tiny_llama, mixed_
 
 def test_engine_failure_keeps_the_cause_of_a_multi_line_error_on_one_line():
     """vLLM's config errors are pydantic ValidationErrors whose first line only counts the errors."""
-    from eagle_extract.extract import _engine_failed
+    from eagle_extract.errors import engine_failed
 
     exc = ValueError(
         "1 validation error for ModelConfig\n"
         "  Value error, Model architectures ['X'] failed to be inspected. [type=value_error]\n"
         "    For further information visit https://errors.example/value_error"
     )
-    message = str(_engine_failed(exc))
+    message = str(engine_failed(exc))
     assert "\n" not in message
     assert "ModelConfig Value error, Model architectures ['X'] failed to be inspected" in message
     assert "For further information" not in message and message.endswith("rerun the same command to resume")

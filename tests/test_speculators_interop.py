@@ -37,9 +37,9 @@ def test_fp8_output_reads_through_speculators_fp8_reader(tiny_fp8_out, tiny_tp1_
     from hs_connectors.transfer import FP8Transfer
     from speculators.train.data import ArrowDataset
 
-    from eagle_extract.verify import verify
+    from eagle_extract import verify
 
-    assert verify(tiny_fp8_out, progress=False) == []
+    assert verify(tiny_fp8_out).problems == []
     reader = FP8Transfer(tiny_fp8_out / "hidden_states", dequantize_dtype=torch.float32)
     rows = load_from_disk(str(tiny_fp8_out))
     worst, fp8_bytes, full_bytes = 0.0, 0, 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_extract.hooks import StepCapture
+from eagle_extract.capture import StepCapture
 from eagle_extract.model_nav import find_decoder
 from eagle_extract.stages import PARTS_DIR, PartJoiner, check_layout, part_root, stage_slots
 from eagle_extract.writer import BackgroundWriter, hidden_state_path
@@ -175,7 +175,7 @@ def test_a_full_disk_while_joining_is_one_line_and_leaves_no_partial_row(tmp_pat
 def test_a_resumed_run_sweeps_its_rows_parts_and_keeps_other_shards(tmp_path):
     """Parts left by a run that died between a row's final write and the parts' deletion, or mid-join,
     are removed when the same run resumes; a shard leaves the other shards' parts alone."""
-    from eagle_extract.extract import prepare_output
+    from eagle_extract.output import prepare_output
 
     out = tmp_path / "out"
     identity = {"model": "m", "aux_layer_ids": [2]}

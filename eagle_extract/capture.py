@@ -1,39 +1,23 @@
-"""Forward hooks that turn vLLM's flat token batches into per-request hidden-state tensors.
+"""Forward hooks that capture a step's hidden states on the model's device and hand finished requests on.
 
-Slot k of a request holds the residual stream entering decoder layer `aux_ids[k]`
-(vLLM's EAGLE-3 convention); the last slot holds the last layer's output before the
-final norm.  The hooks never trust the order of requests in a step: every contiguous run
-of positions in the flat batch is matched to a request by its token ids and positions.
+Slot k of a request holds the residual stream entering decoder layer `aux_ids[k]` (vLLM's EAGLE-3
+convention); the last slot holds the last layer's output before the final norm.  Which request a run of
+tokens belongs to is decided by `matching.RequestMatcher`.
 """
 
 from __future__ import annotations
 
-import bisect
 import inspect
 import queue
 import threading
-from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from .matching import RequestMatcher, segments
 from .model_nav import DecoderStack
 from .stages import stage_slots
-
-
-@dataclass
-class _Request:
-    index: int
-    token_ids: tuple[int, ...]
-
-
-@dataclass(eq=False)
-class _Stream:
-    """The captured states of one run of a prompt from position 0, possibly over several steps."""
-
-    tokens: list[int]
-    chunks: list  # [T_i, K, H] views of step buffers, in order
 
 
 @dataclass
@@ -70,123 +54,11 @@ def _layer_inputs(
     return found.get("positions"), found.get("hidden_states"), found.get("residual")
 
 
-def segments(positions: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Split a flat batch into contiguous runs: (row offset, length, first position)."""
-    pos = positions[0] if positions.dim() == 2 else positions  # M-RoPE: 3 rows, text rows agree
-    pos = pos.to("cpu", torch.int64)
-    n = pos.numel()
-    if n == 0:
-        return []
-    breaks = (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist()
-    starts = [0] + breaks
-    ends = breaks + [n]
-    first = pos[starts].tolist()
-    return [(s, e - s, p) for s, e, p in zip(starts, ends, first)]
-
-
-class RequestMatcher:
-    """Binds captured runs of tokens to the expected requests whose states they are.
-
-    A run at position 0 opens a stream; a run at position p > 0 continues an open stream of p
-    tokens that it extends into some waiting prompt.  Attention is causal, so a stream's states
-    are those of any prompt with exactly its tokens: a stream is handed to one waiting request
-    with those tokens, and stays open while a waiting prompt extends it.  Prompts sharing a
-    prefix (one chat template, one regenerated first answer) and split over steps therefore
-    never swap states, however vLLM splits them.
-    """
-
-    def __init__(self) -> None:
-        self._whole: dict[tuple[int, ...], deque[_Request]] = defaultdict(deque)
-        self._sorted: list[tuple[int, ...]] = []  # waiting prompts, sorted: those extending T follow T
-        self._open: list[_Stream] = []
-        self.split_requests = 0
-        self.merged_runs = 0  # runs that held the end of one request and a continuation of another
-
-    def expect(self, index: int, token_ids: list[int]) -> None:
-        key = tuple(token_ids)
-        self._whole[key].append(_Request(index, key))
-        bisect.insort(self._sorted, key)
-
-    @property
-    def pending(self) -> list[int]:
-        return sorted(req.index for waiting in self._whole.values() for req in waiting)
-
-    def _extended(self, tokens: tuple[int, ...], strictly: bool) -> bool:
-        """Whether a waiting prompt starts with `tokens` (strictly: and goes on beyond them)."""
-        i = bisect.bisect_left(self._sorted, tokens)
-        while i < len(self._sorted) and self._sorted[i][: len(tokens)] == tokens:
-            if not strictly or len(self._sorted[i]) > len(tokens):
-                return True
-            i += 1
-        return False
-
-    def add(self, tokens: list[int], start_pos: int, chunk) -> tuple[list[tuple[_Request, list]], bool]:
-        """Take one run; returns the requests it completes, each with its chunks, and whether it was used.
-
-        Positions cannot separate a request that ends at position e from a continuation starting at e
-        right after it in the batch (vLLM orders requests by batch slot, and new ones take freed slots),
-        so a run that fits nothing is tried as such a pair, cut where an open stream ends."""
-        done, used = self._take(tokens, start_pos, chunk)
-        if used:
-            return done, True
-        for end in sorted({len(s.tokens) for s in self._open if start_pos < len(s.tokens) < start_pos + len(tokens)}):
-            cut = end - start_pos
-            if self._completes(tokens[:cut], start_pos) and self._continuation(tokens[cut:], end) is not None:
-                self.merged_runs += 1
-                head, _ = self._take(tokens[:cut], start_pos, chunk[:cut])
-                tail, _ = self.add(tokens[cut:], end, chunk[cut:])
-                return head + tail, True
-        return [], False
-
-    def _continuation(self, tokens: list[int], start_pos: int) -> _Stream | None:
-        """The open stream of `start_pos` tokens that `tokens` extend towards a waiting prompt."""
-        for s in self._open:
-            if len(s.tokens) == start_pos and self._extended(tuple(s.tokens + tokens), strictly=False):
-                return s
-        return None
-
-    def _completes(self, tokens: list[int], start_pos: int) -> bool:
-        """Whether the run ends a waiting prompt exactly (from position 0, or continuing an open stream)."""
-        if start_pos == 0:
-            return tuple(tokens) in self._whole
-        return any(len(s.tokens) == start_pos and tuple(s.tokens + tokens) in self._whole for s in self._open)
-
-    def _take(self, tokens: list[int], start_pos: int, chunk) -> tuple[list[tuple[_Request, list]], bool]:
-        if start_pos == 0:
-            stream = _Stream(list(tokens), [chunk])
-        else:
-            stream = self._continuation(tokens, start_pos)
-            if stream is None:
-                return [], False
-            stream.tokens += tokens
-            stream.chunks.append(chunk)
-        key = tuple(stream.tokens)
-        done = []
-        waiting = self._whole.get(key)
-        if waiting:
-            req = waiting.popleft()
-            if not waiting:
-                del self._whole[key]
-            del self._sorted[bisect.bisect_left(self._sorted, key)]
-            self.split_requests += len(stream.chunks) > 1
-            done.append((req, list(stream.chunks)))
-        keep = self._extended(key, strictly=True)
-        if keep and start_pos == 0:
-            self._open.append(stream)
-        elif not keep and start_pos > 0:
-            self._open.remove(stream)
-        return done, bool(done) or keep
-
-    def prune(self) -> None:
-        """Close the streams no waiting prompt extends any more (their prompts were bound elsewhere)."""
-        self._open = [s for s in self._open if self._extended(tuple(s.tokens), strictly=True)]
-
-
 @dataclass
 class _Step:
     """One engine step's captures, possibly still being copied off the GPU."""
 
-    slots: torch.Tensor  # [N, K, H] host memory (pinned when the model is on a GPU)
+    states: torch.Tensor  # [N, K, H] host memory (pinned when the model is on a GPU)
     token_ids: torch.Tensor  # [N] int64, host
     positions: torch.Tensor  # [N] or [3, N] int64, host
     ready: object | None  # a CUDA event the copies finish at, None on the CPU
@@ -232,7 +104,7 @@ class StepCapture:
         self._order = CALL
         self._ids: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None  # [N, K, H] on the model's device
-        self._stream = None
+        self._copy_stream = None
         self._steps: queue.Queue = queue.Queue(maxsize=max_steps)
         self._thread = threading.Thread(target=self._assemble_loop, daemon=True)
         self._thread.start()
@@ -266,13 +138,13 @@ class StepCapture:
         """Copy to host memory; on a GPU asynchronously, on the side stream, into pinned memory."""
         if t.device.type != "cuda":
             return t.detach().clone()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=t.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=t.device)
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        self._stream.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(self._stream):
+        self._copy_stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self._copy_stream):
             out.copy_(t, non_blocking=True)
-        t.record_stream(self._stream)  # keep t's memory until the side stream has read it
+        t.record_stream(self._copy_stream)  # keep t's memory until the side stream has read it
         return out
 
     def _on_embed(self, module, args) -> None:
@@ -313,10 +185,10 @@ class StepCapture:
         self._staging = self._ids = None
         if staging is None or ids is None:
             return
-        slots = staging if staging.device.type == "cpu" else self._to_host(staging)
+        states = staging if staging.device.type == "cpu" else self._to_host(staging)
         positions = self._to_host(positions.detach().to(torch.int64))
-        ready = self._stream.record_event() if staging.device.type == "cuda" else None
-        self._steps.put(_Step(slots, ids, positions, ready))
+        ready = self._copy_stream.record_event() if staging.device.type == "cuda" else None
+        self._steps.put(_Step(states, ids, positions, ready))
 
     # -- per-step bookkeeping (background thread) --------------------------------------
     def _assemble_loop(self) -> None:
@@ -342,7 +214,7 @@ class StepCapture:
                 self.stats.segments += 1
                 # a contiguous [T, K, H] view: the step buffer lives until the request's file is written
                 done, used = self.matcher.add(id_list[offset : offset + length], start_pos,
-                                              step.slots[offset : offset + length])  # fmt: skip
+                                              step.states[offset : offset + length])  # fmt: skip
                 if not used:
                     self.stats.unmatched_tokens += length
                 finished += done

@@ -1,4 +1,4 @@
-"""`eagle-extract verify DIR`: check an output against its manifest, file by file.
+"""What `verify` checks in a finished output, against its manifest, file by file.
 
 Finds missing, truncated or unreadable hidden-state files (either layout), wrong shapes or dtypes,
 `token_ids` that differ from the row's `input_ids`, NaN/Inf values, stray files, and a
@@ -74,7 +74,7 @@ def check_row(output: Path, index: int, input_ids: torch.Tensor, slots: int, hid
     return None
 
 
-def verify(output: Path, progress: bool = True) -> list[tuple[int | None, str]]:
+def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None, str]]:
     """Every problem found, as (row or None, what is wrong)."""
     from datasets import load_from_disk
     from tqdm import tqdm

@@ -1,0 +1,137 @@
+"""The public Python API: `extract` and `verify` (with `merge` and `repair`); the CLI is a thin shell over it.
+
+    from eagle_extract import extract, verify
+    summary = extract(model="/models/Kimi-K2.5", data="chats.jsonl", output="out/", layers="2,30,58", tp=8)
+    report = verify("out/")
+
+Every failure a user can fix is raised as `ExtractError`, with the one line the CLI prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import output as out
+from .checks import find_problems
+from .config import ExtractConfig
+from .errors import ExtractError
+from .run import run
+from .writer import MANIFEST
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a run produced: the whole output (`complete`), or one shard of it waiting for the others."""
+
+    output: Path
+    complete: bool
+    model: str
+    rows: int
+    tokens: int
+    bytes_written: int
+    engine_start_s: float
+    extract_s: float
+    tokens_per_s: float
+    aux_layer_ids: list[int]
+    legacy_layer_ids: list[int] | None = None
+    truncated: int | None = None  # these three are the whole dataset's, known once it is complete
+    skipped: int | None = None
+    skipped_long: int | None = None
+    shard: str | None = None
+    waiting_for: tuple[int, ...] = ()  # shards still running, for an incomplete output
+    manifest: dict | None = None
+
+    @property
+    def skipped_rows(self) -> Path | None:
+        """The file listing each skipped row and why, when rows were skipped."""
+        return self.output / out.SKIPPED if self.skipped else None
+
+    @classmethod
+    def of(cls, result: dict, output: Path) -> Summary:
+        """From a manifest, or from a shard's summary (which has "complete": False)."""
+        if result.get("complete") is False:
+            config = result["config"]
+            return cls(
+                output=Path(output),
+                complete=False,
+                model=config["model"],
+                rows=result["rows"],
+                tokens=result["tokens"],
+                bytes_written=0,
+                engine_start_s=result["engine_start_s"],
+                extract_s=result["extract_s"],
+                tokens_per_s=round(result["tokens"] / result["extract_s"], 1) if result["extract_s"] else 0.0,
+                aux_layer_ids=result["identity"]["aux_layer_ids"],
+                shard=result["shard"],
+                waiting_for=tuple(result["waiting_for"]),
+            )
+        timing = result["timing"]
+        return cls(
+            output=Path(output),
+            complete=True,
+            model=result["model"],
+            rows=result["num_samples"],
+            tokens=result["num_tokens"],
+            bytes_written=result["bytes_written"],
+            engine_start_s=timing["engine_start_s"],
+            extract_s=timing["extract_s"],
+            tokens_per_s=timing["tokens_per_s"],
+            aux_layer_ids=result["aux_layer_ids"],
+            legacy_layer_ids=result.get("legacy_layer_ids"),
+            truncated=result["truncated"],
+            skipped=result["skipped"],
+            skipped_long=result["skipped_long"],
+            manifest=result,
+        )
+
+
+@dataclass(frozen=True)
+class Report:
+    """`verify`'s findings: (row or None for the output as a whole, what is wrong)."""
+
+    output: Path
+    problems: list[tuple[int | None, str]]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def rows(self) -> list[int]:
+        return sorted({row for row, _ in self.problems if row is not None})
+
+
+def extract(*, log=print, **options) -> Summary:
+    """Run an extraction; keyword arguments are the CLI's options (`seq_length=4096` for `--seq-length 4096`),
+    with its defaults.  Rerunning the same call after an interruption resumes it."""
+    cfg = ExtractConfig.from_options(**options).resolved()
+    if cfg.dp > 1:
+        from .replicas import run_replicas
+
+        return Summary.of(run_replicas(cfg, log=log), cfg.output)
+    return Summary.of(run(cfg, log=log), cfg.output)
+
+
+def verify(output, progress: bool = False) -> Report:
+    """Check an output file by file; returns the findings, raises nothing for a damaged output."""
+    return Report(Path(output), find_problems(Path(output), progress=progress))
+
+
+def merge(output, log=print) -> Summary:
+    """Complete a sharded output once every shard has finished."""
+    return Summary.of(out.merge(Path(output)), output)
+
+
+def repair(output, rows: list[int], log=print) -> Summary:
+    """Delete the given rows' files and rerun the recorded extraction, which rewrites just those;
+    raises when `verify` still finds problems afterwards."""
+    output = Path(output)
+    if not (output / MANIFEST).exists():
+        raise ExtractError("no manifest to repair from: rerun the original extraction command to resume it")
+    log(f"repairing {len(rows)} row(s)")
+    summary = Summary.of(run(out.reopen(output, rows), log=log), output)
+    remaining = find_problems(output, progress=False)
+    if remaining:
+        raise ExtractError(f"{len(remaining)} problem(s) remain after repair; first: {remaining[0][1]}")
+    return summary

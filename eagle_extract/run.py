@@ -1,0 +1,165 @@
+"""One extraction run, top to bottom: plan, prepare the output, start the engine, stream the rows
+through the capture loop, complete the output (or this shard of it)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from . import output as out
+from . import preflight, regenerate, shards
+from .config import ExtractConfig
+from .engine import start_engine
+from .errors import ExtractError, engine_failed
+from .plan import Plan, make_plan, plan_samples
+from .stages import PartJoiner, check_layout
+from .watch import EngineWatch
+from .writer import completed_rows
+
+
+def run(cfg: ExtractConfig, log=print) -> dict:
+    """Run a whole extraction (or one shard of it); `cfg` must be resolved().  Returns the manifest
+    when the output is complete, else this shard's summary (with "complete": False)."""
+    plan = make_plan(cfg)
+    output = Path(cfg.output)
+    llm, start_s, regenerated = None, 0.0, None
+    watch = EngineWatch()
+    if cfg.regenerate:
+        out.prepare_output(output, plan.identity, cfg.overwrite)
+        t0 = time.perf_counter()
+        try:
+            llm = start_engine(cfg, cfg.seq_length + 1)
+            watch.start()
+            start_s = time.perf_counter() - t0
+            usable = [r for r, _, _ in plan.triples if r is not None][: cfg.max_samples]
+            records, regenerated = regenerate.answers(llm, cfg, plan.tokenizer, usable, log)
+        except ExtractError:
+            raise
+        except Exception as exc:
+            raise engine_failed(exc) from None
+        bad = [(None, n, why) for r, n, why in plan.triples if r is None]
+        samples, report = plan_samples(plan, sorted([(r, r.row, None) for r in records] + bad, key=lambda t: t[1]))
+    else:
+        samples, report = plan_samples(plan)
+    mine = {i for i, s in enumerate(samples) if shards.owns(plan.shard, s.row)}
+    # Size check before anything is created: rows a resumable run already wrote need no room.
+    already = set() if cfg.overwrite else completed_rows(output, cfg.legacy)
+    todo_tokens = sum(len(samples[i].input_ids) for i in mine - already)
+    expected_bytes, free = preflight.check_disk(cfg, todo_tokens, plan.bytes_per_token())
+    fresh = cfg.overwrite and not cfg.regenerate  # a regenerating run prepared (and cleared) the folder already
+    done = out.prepare_output(output, plan.identity, fresh, plan.shard, mine)
+    todo = [(i, samples[i]) for i in sorted(mine - done)]
+    part = f" (shard {cfg.shard}: {len(mine)} of them)" if plan.shard else ""
+    resumed = f"; resuming, {len(done)} rows already written" if done else ""
+    log(
+        f"{len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens{part}; slots for layers "
+        f"{plan.slot_ids}; about {expected_bytes / 2**20:.1f} MiB of hidden states to write "
+        f"({free / 2**30:.1f} GiB free){resumed}"
+    )
+    try:
+        if llm is None:
+            t0 = time.perf_counter()
+            llm = start_engine(cfg, max(len(s.input_ids) for s in samples) + 1)  # room for the one sampled token
+            watch.start()
+            start_s = time.perf_counter() - t0
+        written, stats, extract_s = _capture(llm, plan, len(samples), todo, done)
+    except ExtractError:
+        raise
+    except Exception as exc:
+        raise engine_failed(exc) from None
+    finally:
+        watch.stop.set()
+    missing = sorted(mine - written)
+    if missing:
+        raise ExtractError(
+            f"{len(missing)} rows were never captured (first: row {missing[0]}); rerun, and report this as a bug"
+        )
+    this_run = {
+        "engine_start_s": round(start_s, 2),
+        "extract_s": round(extract_s, 2),
+        "tokens": todo_tokens,
+        "rows": len(mine),
+        "resumed_rows": len(done),
+        "capture": stats,
+    }
+    if plan.shard is None:
+        manifest = out.complete(plan, samples, report, [this_run], regenerated)
+        out.finish_run(output, None)
+        return manifest
+    summary = {"shard": cfg.shard, "identity": plan.identity, "config": cfg.record(), **this_run}
+    return out.complete_shard(plan, samples, report, summary, log)
+
+
+def _batches(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _drain(llm, wait: bool) -> dict:
+    """Collect the writing workers' reports; `written_by` lists each writer's new rows, in rank order."""
+    reports = [r for r in llm.collective_rpc("eagle_drain", args=(wait,)) if r is not None]
+    errors = [e for r in reports for e in r["errors"]]
+    if errors:
+        raise ExtractError(errors[0])
+    return {
+        "written_by": [r["written"] for r in reports],
+        "pending": sorted({i for r in reports for i in r["pending"]}),
+        "stats": reports[0]["stats"] if reports else {},
+    }
+
+
+def _capture(llm, plan: Plan, total: int, todo: list, done: set[int]) -> tuple[set[int], dict, float]:
+    """Stream the rows still to do through the engine; returns (rows written, capture stats, seconds)."""
+    from tqdm import tqdm
+    from vllm import SamplingParams, TokensPrompt
+
+    cfg = plan.cfg
+    installed = llm.collective_rpc(
+        "eagle_install", args=(str(cfg.output), plan.aux_ids, cfg.decoder_path, cfg.fp8, cfg.legacy, cfg.writer_threads)
+    )
+    writers = [w for w in installed if w["writes"]]  # in rank order, as eagle_drain reports them
+    try:
+        check_layout(writers, plan.shape.num_layers, len(plan.slot_ids))
+    except ValueError as exc:
+        raise ExtractError(f"{exc}; report this as a bug with the model class {installed[0]['model_class']}") from None
+    joiner = None
+    if any(w["part"] for w in writers):  # pipeline stages: join their part files into rows
+        masks = {i: s.loss_mask for i, s in todo} if cfg.legacy else None
+        joiner = PartJoiner(Path(cfg.output), writers, cfg.fp8, masks)
+
+    def record(report: dict, last: bool = False) -> None:
+        if joiner is None:
+            written.update(i for rows in report["written_by"] for i in rows)
+            return
+        try:
+            joiner.add(report["written_by"])
+            if last:
+                written.update(joiner.finish())
+        except Exception as exc:  # a full disk, or stages that disagree: one line, like the writers'
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ExtractError(f"joining the pipeline stages' files: {why}") from None
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    written = set(done)
+    t1 = time.perf_counter()
+    with tqdm(total=total, initial=len(done), unit="sample", desc="extract", dynamic_ncols=True) as bar:
+        done_tokens = 0
+        for batch in _batches(todo, cfg.batch_size):
+            masks = [(i, s.loss_mask) for i, s in batch] if cfg.legacy else None
+            llm.collective_rpc("eagle_expect", args=([(i, s.input_ids) for i, s in batch], masks))
+            llm.generate([TokensPrompt(prompt_token_ids=s.input_ids) for _, s in batch], params, use_tqdm=False)
+            record(_drain(llm, wait=False))
+            done_tokens += sum(len(s.input_ids) for _, s in batch)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t1):,.0f}")
+        got = _drain(llm, wait=True)
+        record(got, last=True)
+    extract_s = time.perf_counter() - t1
+    llm.collective_rpc("eagle_remove")
+    where = {
+        "model_class": writers[0]["model_class"],
+        "decoder_path": writers[0]["path"],
+        "workers": len(installed),
+        "stages": [[w["start"], w["end"]] for w in writers],
+    }
+    return written, {**got["stats"], **where}, extract_s
