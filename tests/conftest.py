@@ -95,9 +95,24 @@ def smollm2_fp32_out(tmp_path_factory, smollm2, mixed_conversations) -> Path:
     )
 
 
+# The Python API, end to end on the bundled model (its default), in a process of its own like the CLI's.
+API_RUN = """
+import dataclasses, json, sys
+from eagle_extract import extract
+summary = extract(data=sys.argv[1], output=sys.argv[2], dtype="bfloat16", max_num_batched_tokens=128, batch_size=16)
+print(json.dumps({k: v for k, v in dataclasses.asdict(summary).items() if k != "manifest"}, default=str))
+"""
+
+
 @pytest.fixture(scope="session")
 def smollm2_bf16_out(tmp_path_factory, smollm2, mixed_conversations) -> Path:
-    return extract(tmp_path_factory, smollm2, mixed_conversations, "--dtype", "bfloat16", *BUDGET)
+    """SmolLM2 in bfloat16, extracted through the Python API; its Summary is saved beside it as summary.json."""
+    out = tmp_path_factory.mktemp("out") / "extraction"
+    proc = subprocess.run([sys.executable, "-c", API_RUN, str(mixed_conversations), str(out)], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    (out.parent / "summary.json").write_text(proc.stdout.strip().splitlines()[-1])
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,66 @@
+"""The Python API: `extract` returns what it wrote, `verify` returns its findings, and bad input raises
+ExtractError with the CLI's own line, before any engine starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle_extract import ExtractError, extract, verify
+from eagle_extract.config import ExtractConfig
+
+from .common import SAMPLE_DATA
+from .conftest import run_cli
+
+
+def test_extract_returns_the_summary_of_what_it_wrote(smollm2_bf16_out, smollm2):
+    summary = json.loads((smollm2_bf16_out.parent / "summary.json").read_text())
+    manifest = json.loads((smollm2_bf16_out / "eagle_extract.json").read_text())
+    assert summary["complete"] is True and summary["output"] == str(smollm2_bf16_out)
+    assert summary["model"] == manifest["model"] == str(smollm2)  # the bundled model, as the default
+    assert summary["rows"] == manifest["num_samples"] == 24
+    assert summary["tokens"] == manifest["num_tokens"] > 0
+    assert summary["bytes_written"] == manifest["bytes_written"] > 0
+    assert summary["aux_layer_ids"] == manifest["aux_layer_ids"] == [2, 15, 27]
+    assert summary["skipped"] == manifest["skipped"] and summary["truncated"] == manifest["truncated"]
+    assert manifest["config"]["max_num_batched_tokens"] == 128 and manifest["engine_args"] == {
+        "max_num_batched_tokens": 128
+    }
+    report = verify(smollm2_bf16_out)
+    assert report.ok and report.problems == [] and report.rows == []
+
+
+def test_verify_returns_findings_instead_of_printing(tmp_path, capsys):
+    report = verify(tmp_path)
+    assert not report.ok and report.problems == [(None, "no eagle_extract.json: not an eagle-extract output")]
+    assert capsys.readouterr().out == ""
+
+
+def test_bad_input_raises_the_clis_line(tmp_path):
+    data = str(SAMPLE_DATA / "sharegpt_dummy_conversations.json")
+    with pytest.raises(ExtractError) as err:
+        extract(data=data, output=tmp_path / "out", layers="2,99")
+    cli = run_cli("--data", data, "--output", str(tmp_path / "out"), "--layers", "2,99", check=False)
+    assert cli.returncode == 1 and cli.stderr.strip().splitlines()[-1] == f"Error: {err.value}"
+    assert "id 99 is out of range for a 30-layer model" in str(err.value)
+    with pytest.raises(ExtractError, match="unknown option 'seq_len'; the options are .*seq_length"):
+        extract(seq_len=10)
+    with pytest.raises(ExtractError, match="--storage-dtype fp4: choose one of model, fp8"):
+        extract(data=data, output=tmp_path / "out", storage_dtype="fp4")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_and_api_share_names_and_defaults():
+    """Every CLI option is an ExtractConfig field of the same name and default (--engine-arg KEY=VALUE
+    pairs become the engine_args dict)."""
+    from eagle_extract.cli import extract_command
+
+    parsed = extract_command.make_context("extract", []).params
+    defaults = ExtractConfig()
+    assert set(parsed) == set(defaults.__dataclass_fields__)
+    assert {k: v for k, v in parsed.items() if k != "engine_args"} == {
+        k: getattr(defaults, k) for k in parsed if k != "engine_args"
+    }
+    assert parsed["engine_args"] == () and defaults.engine_args == {}
+    assert extract_command.make_context("extract", ["--no-disk-check"]).params["check_disk"] is False
