@@ -15,7 +15,7 @@ from .interrupts import stop_on_sigterm
 D = ExtractConfig()  # the defaults, shared with the API
 
 
-def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
+def _engine_args(ctx, param, pairs: tuple[str, ...]) -> dict:
     args = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -26,6 +26,12 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
         except json.JSONDecodeError:
             args[key.replace("-", "_")] = value
     return args
+
+
+def engine_arg_option(help: str):
+    """--engine-arg KEY=VALUE, repeatable, VALUE parsed as JSON when it can be; gathered as the engine_args dict."""
+    return click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE", callback=_engine_args,
+                        help=help)  # fmt: skip
 
 
 class _ExtractByDefault(click.Group):
@@ -157,13 +163,9 @@ def main():
     default=None,
     help="Token budget of one engine step; smaller values lower peak memory. [default: vLLM's]",
 )
-@click.option(
-    "--engine-arg",
-    "engine_args",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Further vllm.LLM keyword argument, VALUE parsed as JSON when it can be; repeatable "
-    "(e.g. --engine-arg gpu_memory_utilization=0.85).",
+@engine_arg_option(
+    "Further vllm.LLM keyword argument, VALUE parsed as JSON when it can be; repeatable "
+    "(e.g. --engine-arg gpu_memory_utilization=0.85)."
 )
 @click.option(
     "--decoder-path",
@@ -203,7 +205,7 @@ def main():
     default=D.check_disk,
     help="Start even when the estimated output is larger than the free disk space (e.g. space freed during the run).",
 )
-def extract_command(engine_args, **options):
+def extract_command(**options):
     """Capture EAGLE-3 training hidden states from a model running in vLLM.
 
     Writes speculators' offline layout: an Arrow dataset (input_ids, loss_mask, seq_len),
@@ -211,8 +213,7 @@ def extract_command(engine_args, **options):
     With no options it extracts the bundled SmolLM2 model over the bundled conversations.
     Rerunning an interrupted command resumes it. Check an output with `eagle-extract verify DIR`.
     """
-    engine_args = _parse_engine_args(engine_args)
-    _summarise(_run_or_fail(api.extract, engine_args=engine_args, **options))
+    _summarise(_run_or_fail(api.extract, **options))
 
 
 @main.command(context_settings={"help_option_names": ["-h", "--help"]})

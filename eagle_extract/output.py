@@ -8,7 +8,7 @@ import re
 import shutil
 from pathlib import Path
 
-from . import __version__, shards
+from . import shards
 from .atomic import write_atomically, write_json
 from .config import LEGACY, ExtractConfig
 from .data import LoadReport, Sample
@@ -16,6 +16,7 @@ from .errors import ExtractError
 from .layers import CONVENTION, legacy_layer_ids
 from .plan import Plan, make_plan, plan_samples
 from .stages import PARTS_DIR
+from .version import __version__
 from .writer import (
     HIDDEN_DIR,
     MANIFEST,

@@ -100,7 +100,8 @@ API_RUN = """
 import dataclasses, json, sys
 from eagle_extract import extract
 summary = extract(data=sys.argv[1], output=sys.argv[2], dtype="bfloat16", max_num_batched_tokens=128, batch_size=16)
-print(json.dumps({k: v for k, v in dataclasses.asdict(summary).items() if k != "manifest"}, default=str))
+fields = {k: v for k, v in dataclasses.asdict(summary).items() if k != "manifest"}
+open(sys.argv[3], "w").write(json.dumps(fields, default=str))
 """
 
 
@@ -108,10 +109,9 @@ print(json.dumps({k: v for k, v in dataclasses.asdict(summary).items() if k != "
 def smollm2_bf16_out(tmp_path_factory, smollm2, mixed_conversations) -> Path:
     """SmolLM2 in bfloat16, extracted through the Python API; its Summary is saved beside it as summary.json."""
     out = tmp_path_factory.mktemp("out") / "extraction"
-    proc = subprocess.run([sys.executable, "-c", API_RUN, str(mixed_conversations), str(out)], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    args = [sys.executable, "-c", API_RUN, str(mixed_conversations), str(out), str(out.parent / "summary.json")]
+    proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-6000:]
-    (out.parent / "summary.json").write_text(proc.stdout.strip().splitlines()[-1])
     return out
 
 

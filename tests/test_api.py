@@ -59,8 +59,10 @@ def test_cli_and_api_share_names_and_defaults():
     parsed = extract_command.make_context("extract", []).params
     defaults = ExtractConfig()
     assert set(parsed) == set(defaults.__dataclass_fields__)
-    assert {k: v for k, v in parsed.items() if k != "engine_args"} == {
-        k: getattr(defaults, k) for k in parsed if k != "engine_args"
+    assert parsed == {k: getattr(defaults, k) for k in parsed}
+    pairs = ["--engine-arg", "gpu_memory_utilization=0.5", "--engine-arg", "quantization=fp8"]
+    assert extract_command.make_context("extract", pairs).params["engine_args"] == {
+        "gpu_memory_utilization": 0.5,
+        "quantization": "fp8",
     }
-    assert parsed["engine_args"] == () and defaults.engine_args == {}
     assert extract_command.make_context("extract", ["--no-disk-check"]).params["check_disk"] is False

@@ -18,9 +18,10 @@ accuracy measured memorisation: docs/benchmarks.md).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+import click
 
 ROLES = {"human": "user", "user": "user", "system": "system"}
 
@@ -47,24 +48,23 @@ def questions(path: Path) -> list[list[dict]]:
     return [c for c in chats if any(m["role"] == "user" for m in c)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", type=Path)
-    ap.add_argument("inputs", type=Path, nargs="+")
-    ap.add_argument("--copies", type=int, default=4, help="sampled answers per conversation")
-    opts = ap.parse_args()
-    read = [c for path in opts.inputs for c in questions(path)]
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("inputs", type=click.Path(exists=True, dir_okay=False, path_type=Path), nargs=-1, required=True)
+@click.option("--copies", type=int, default=4, show_default=True, help="sampled answers per conversation")
+def main(out: Path, inputs: tuple[Path, ...], copies: int) -> None:
+    read = [c for path in inputs for c in questions(path)]
     unique: dict[str, list[dict]] = {}
     for chat in read:  # first occurrence wins, in reading order
         unique.setdefault(json.dumps(chat, ensure_ascii=False), chat)
     chats = list(unique.values())
-    with opts.out.open("w", encoding="utf-8") as f:
+    with out.open("w", encoding="utf-8") as f:
         for chat in chats:
-            for _ in range(opts.copies):
+            for _ in range(copies):
                 f.write(json.dumps({"messages": chat}, ensure_ascii=False) + "\n")
-    print(
-        f"{len(chats)} conversations ({len(read) - len(chats)} repeated ones dropped) x {opts.copies} copies = "
-        f"{len(chats) * opts.copies} rows -> {opts.out}"
+    click.echo(
+        f"{len(chats)} conversations ({len(read) - len(chats)} repeated ones dropped) x {copies} copies = "
+        f"{len(chats) * copies} rows -> {out}"
     )
 
 

@@ -29,11 +29,15 @@ Engines are eager unless `--engine-arg enforce_eager=false` (CUDA graphs, on a G
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import click
+
+from eagle_extract.cli import engine_arg_option
 
 
 def first_questions(path: Path, limit: int | None) -> list[list[dict]]:
@@ -142,52 +146,42 @@ def run_mode(mode: str, opts, chats) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--verifier", required=True)
-    ap.add_argument("--draft", default=None)
-    ap.add_argument("--prompts", type=Path, required=True)
-    ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    ap.add_argument("--batch", type=int, default=None, help="prompts decoded together [default: all]")
-    ap.add_argument("--num-spec", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
-    ap.add_argument(
-        "--ngram-min", type=int, default=4, help="shortest n-gram the ngram mode matches (longest: max(4, this))"
-    )
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--modes", default="plain,eagle3,ngram")
-    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--json", type=Path, default=None)
-    opts = ap.parse_args(argv)
-    opts.engine_args = {k: json.loads(v) for k, v in (a.split("=", 1) for a in opts.engine_arg)}
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--verifier", required=True)
+@click.option("--draft", default=None)
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True)
+@click.option("--limit", type=int, default=None, help="use the first N prompts")
+@click.option("--batch", type=int, default=None, help="prompts decoded together [default: all]")
+@click.option("--num-spec", type=int, default=3, show_default=True)
+@click.option("--max-tokens", type=int, default=256, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 decodes greedily")
+@click.option("--ngram-min", type=int, default=4, show_default=True,
+              help="shortest n-gram the ngram mode matches (longest: max(4, this))")  # fmt: skip
+@click.option("--max-model-len", type=int, default=4096, show_default=True)
+@click.option("--modes", default="plain,eagle3,ngram", show_default=True)
+@engine_arg_option("further vllm.LLM keyword argument; repeatable")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def main(**kw) -> None:
+    opts = SimpleNamespace(**kw)
     chats = first_questions(opts.prompts, opts.limit)
     results = [run_mode(mode, opts, chats) for mode in opts.modes.split(",")]
     plain = next((r for r in results if r["mode"] == "plain"), None)
-    print(
+    click.echo(
         "| mode | output tok/s | speed-up | mean acceptance length (steps with a draft) | tokens per verifier step "
         "| acceptance per position | same text as plain |"
     )
-    print("|---|---|---|---|---|---|---|")
+    click.echo("|---|---|---|---|---|---|---|")
     for r in results:
         r["speedup"] = round(r["tokens_per_s"] / plain["tokens_per_s"], 3) if plain else None
         r["same_text_as_plain"] = r["texts"] == plain["texts"] if plain and not opts.temperature else None
-        print(
+        click.echo(
             f"| {r['mode']} | {r['tokens_per_s']:,.1f} | {r['speedup']} | {r['mean_acceptance_length']} | "
             f"{r['tokens_per_step']} | {r['acceptance_rate_per_position']} | {r['same_text_as_plain']} |"
         )
-    if opts.json:
-        opts.json.write_text(
-            json.dumps(
-                {
-                    "args": {**vars(opts), "prompts": str(opts.prompts), "json": None, "engine_args": opts.engine_args},
-                    "results": results,
-                },
-                indent=2,
-                default=str,
-            )
-        )
-    return results
+    if opts.json_path:
+        args = {**kw, "prompts": str(opts.prompts), "json": None}
+        del args["json_path"]
+        opts.json_path.write_text(json.dumps({"args": args, "results": results}, indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -12,10 +12,14 @@ prompt (case and spacing ignored) are dropped; the first N others are written as
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
+
+import click
+
+from eagle_extract.cli import engine_arg_option
 
 SENTINEL = "\x00USER\x00"
 
@@ -66,25 +70,24 @@ def keep_distinct(candidates, count: int, min_chars: int, exclude: set[str]) -> 
     return kept, dropped
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--count", type=int, required=True, help="distinct prompts to write")
-    ap.add_argument("--held-out", type=Path, nargs="*", default=[], help="prompt files no output may equal")
-    ap.add_argument("--oversample", type=float, default=1.5, help="candidates generated per prompt wanted")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-p", type=float, default=0.99)
-    ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--min-chars", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
-    opts = ap.parse_args(argv)
-
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--model", required=True)
+@click.option("--count", type=int, required=True, help="distinct prompts to write")
+@click.option("--held-out", type=click.Path(exists=True, path_type=Path), multiple=True,
+              help="prompt file no output may equal; repeatable")  # fmt: skip
+@click.option("--oversample", type=float, default=1.5, show_default=True, help="candidates generated per prompt wanted")
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--top-p", type=float, default=0.99, show_default=True)
+@click.option("--max-tokens", type=int, default=160, show_default=True)
+@click.option("--min-chars", type=int, default=16, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@engine_arg_option("further vllm.LLM keyword argument; repeatable")
+def main(**kw) -> None:
     from vllm import LLM, SamplingParams
 
-    engine_args = {k: json.loads(v) for k, v in (a.split("=", 1) for a in opts.engine_arg)}
-    llm = LLM(model=opts.model, enforce_eager=True, seed=opts.seed, **engine_args)
+    opts = SimpleNamespace(**kw)
+    llm = LLM(model=opts.model, enforce_eager=True, seed=opts.seed, **opts.engine_args)
     prefix = pre_query_prefix(llm.get_tokenizer())
     wanted = max(1, int(opts.count * opts.oversample))
     params = [  # one seed per candidate, so the set does not depend on batching
@@ -93,14 +96,14 @@ def main(argv: list[str] | None = None) -> None:
     ]
     outputs = [out.outputs[0] for out in llm.generate([prefix] * wanted, params)]
     kept, dropped = keep_distinct(
-        ((o.text, o.finish_reason) for o in outputs), opts.count, opts.min_chars, held_out_texts(opts.held_out)
+        ((o.text, o.finish_reason) for o in outputs), opts.count, opts.min_chars, held_out_texts(list(opts.held_out))
     )
     with opts.out.open("w", encoding="utf-8") as f:
         for text in kept:
             f.write(json.dumps({"messages": [{"role": "user", "content": text}]}, ensure_ascii=False) + "\n")
-    print(f"{len(kept)} distinct prompts of {len(outputs)} generated -> {opts.out}; dropped {dropped}")
+    click.echo(f"{len(kept)} distinct prompts of {len(outputs)} generated -> {opts.out}; dropped {dropped}")
     if len(kept) < opts.count:
-        print(f"warning: fewer than --count {opts.count}; raise --oversample")
+        click.echo(f"warning: fewer than --count {opts.count}; raise --oversample")
 
 
 if __name__ == "__main__":

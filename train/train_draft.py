@@ -22,59 +22,53 @@ The draft folder it writes is what vLLM loads as an EAGLE-3 speculator:
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
-MANIFEST = "eagle_extract.json"
+import click
+
+from eagle_extract.writer import MANIFEST, read_manifest
 
 
-class TrainSetupError(SystemExit):
-    """One line naming the fix, exit status 1."""
-
-    def __init__(self, message: str):
-        super().__init__(f"Error: {message}")
-
-
-def read_manifest(output: Path) -> dict:
-    path = Path(output) / MANIFEST
-    if not path.is_file():
-        raise TrainSetupError(
+def complete_manifest(output: Path) -> dict:
+    """The manifest of a complete output in the layout speculators' trainer reads; else one line naming the fix."""
+    if not (Path(output) / MANIFEST).is_file():
+        raise click.ClickException(
             f"{output} is not a complete eagle-extract output (no {MANIFEST}); finish it or check it with "
             f"`eagle-extract verify {output}`"
         )
-    manifest = json.loads(path.read_text())
+    manifest = read_manifest(output)
     if manifest.get("format") != "speculators-offline":
-        raise TrainSetupError(
+        raise click.ClickException(
             f"{output} is in the {manifest.get('format')} format; speculators' trainer reads the speculators "
             "layout: extract again without --format speculators-legacy"
         )
     return manifest
 
 
-def trainer_args(output: Path, manifest: dict, opts: argparse.Namespace) -> list[str]:
+def trainer_args(output: Path, manifest: dict, opts: dict) -> list[str]:
     """The `speculators train` flags for this output."""
     stored = manifest["dtype"]  # fp8 files are decoded by speculators' own reader into this dtype
     args = [
-        "--verifier-name-or-path", opts.verifier or manifest["model"],
+        "--verifier-name-or-path", opts["verifier"] or manifest["model"],
         "--data-path", str(output),
         "--speculator-type", "eagle3",
         "--target-layer-ids", *map(str, manifest["aux_layer_ids"]),
         "--hidden-states-dtype", "float32" if stored == "float32" else "bfloat16",
         "--total-seq-len", str(max(manifest["seq_length"], 2)),
-        "--epochs", str(opts.epochs),
-        "--lr", str(opts.lr),
-        "--save-path", str(opts.save_path),
+        "--epochs", str(opts["epochs"]),
+        "--lr", str(opts["lr"]),
+        "--save-path", str(opts["save_path"]),
     ]  # fmt: skip
-    if opts.draft_vocab_size:
-        args += ["--draft-vocab-size", str(opts.draft_vocab_size)]
-    args.append("--norm-output" if opts.norm_output else "--no-norm-output")
-    if opts.dry_run:
+    if opts["draft_vocab_size"]:
+        args += ["--draft-vocab-size", str(opts["draft_vocab_size"])]
+    args.append("--norm-output" if opts["norm_output"] else "--no-norm-output")
+    if opts["dry_run"]:
         args.append("--dry-run")
-    return args + opts.extra
+    return args + list(opts["extra"])
 
 
 def servable_draft(save_path: Path) -> Path:
@@ -93,44 +87,34 @@ def command(args: list[str], gpus: int) -> list[str]:
     return [sys.executable, "-m", "speculators.train", *args]
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    extra = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("output", type=Path, help="an eagle-extract output folder")
-    ap.add_argument("--save-path", type=Path, required=True, help="where the draft is written")
-    ap.add_argument("--verifier", default=None, help="verifier checkpoint [default: the model in the manifest]")
-    ap.add_argument("--draft-vocab-size", type=int, default=None, help="draft vocabulary, from token_freq.pt")
-    ap.add_argument("--epochs", type=int, default=10)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--gpus", type=int, default=1, help="GPUs to train on (torchrun when more than one)")
-    ap.add_argument(
-        "--norm-output",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="feed the normed hidden state to the next draft step (needs a vLLM that reads norm_output)",
-    )
-    ap.add_argument("--dry-run", action="store_true", help="build and save the untrained draft, then stop")
-    opts = ap.parse_args(argv)
-    opts.extra = extra
-    return opts
-
-
-def main(argv: list[str] | None = None) -> int:
-    opts = parse(sys.argv[1:] if argv is None else argv)
-    manifest = read_manifest(opts.output)
-    cmd = command(trainer_args(opts.output, manifest, opts), opts.gpus)
-    print("$ " + shlex.join(cmd), flush=True)
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("output", type=click.Path(path_type=Path))
+@click.option("--save-path", type=click.Path(path_type=Path), required=True, help="where the draft is written")
+@click.option("--verifier", default=None, help="verifier checkpoint [default: the model in the manifest]")
+@click.option("--draft-vocab-size", type=int, default=None, help="draft vocabulary, from token_freq.pt")
+@click.option("--epochs", type=int, default=10, show_default=True)
+@click.option("--lr", type=float, default=1e-4, show_default=True)
+@click.option("--gpus", type=int, default=1, show_default=True, help="GPUs to train on (torchrun when more than one)")
+@click.option(
+    "--norm-output/--no-norm-output",
+    default=False,
+    show_default=True,
+    help="feed the normed hidden state to the next draft step (needs a vLLM that reads norm_output)",
+)
+@click.option("--dry-run", is_flag=True, help="build and save the untrained draft, then stop")
+@click.argument("extra", nargs=-1, type=click.UNPROCESSED)
+def main(**opts) -> None:
+    manifest = complete_manifest(opts["output"])
+    cmd = command(trainer_args(opts["output"], manifest, opts), opts["gpus"])
+    click.echo("$ " + shlex.join(cmd))
     rc = subprocess.run(cmd).returncode
     if rc == 0:
-        verifier = opts.verifier or manifest["model"]
-        draft = servable_draft(opts.save_path)
+        verifier = opts["verifier"] or manifest["model"]
+        draft = servable_draft(opts["save_path"])
         config = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
-        print(f"draft: {draft}\nserve: vllm serve {verifier} --speculative-config '{config}'")
-    return rc
+        click.echo(f"draft: {draft}\nserve: vllm serve {verifier} --speculative-config '{config}'")
+    sys.exit(rc)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,0 +1,3 @@
+"""The release, as the manifest records it."""
+
+__version__ = "0.1.0"
