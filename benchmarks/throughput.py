@@ -1,20 +1,28 @@
 """Side-by-side throughput: plain vLLM prefill against eagle-extract capture + writes, one engine.
 
     python benchmarks/throughput.py --model PATH [--dummy] --prompts 128 --prompt-len 1024 --reps 3
+        [--storage-dtypes model,fp8] [--sync] [--num-layers N] [--host-memory GIB]
 
 The engine is started once with eagle-extract's settings (eager, no prefix caching, the worker
 extension). Each repetition runs (a) plain `generate(max_tokens=1)` with no hooks installed,
-then (b) the same prompts with hooks installed and every file written and flushed to disk,
-and with --builtin (d) vLLM's own extract_hidden_states on a second engine beside the first.
-a, b and d alternate, so drift (thermal, page cache) hits both. Prints one table: tokens/s
-(median, min, max), the b/a ratio (median of per-repetition ratios), bytes per token,
-GB/s written and the peak resident memory of the whole process tree.
+then (b) the same prompts with hooks installed and every file written, once per storage dtype
+and writer thread count, and with --builtin (d) vLLM's own extract_hidden_states on a second
+engine beside the first. a, b and d alternate, so drift (thermal, page cache) hits both.
+
+Without --sync, b's clock stops when the files are written: into the page cache, which a long run
+outgrows. With --sync it stops after `os.sync()` has put them on the disk, and every repetition
+also measures the disk's own sustained sequential write rate in the same folder (as many files in
+parallel as writer threads, fsynced), so the writer's GB/s is reported as a fraction of the disk's.
+Prints one table: tokens/s (median, min, max), the b/a ratio (median of per-repetition ratios),
+bytes per token, GB/s written, the capture's peak host-memory budget use and the peak resident
+memory of the whole process tree.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -139,6 +147,40 @@ def gpu_memory() -> str | None:
     return "; ".join(f"{int(used) / 1024:.1f}/{int(total) / 1024:.1f} GiB" for used, total in pairs)
 
 
+def disk_write_rate(folder: Path, nbytes: int, streams: int, block: int = 64 << 20) -> float:
+    """GB/s of `streams` files written side by side into `folder`, `nbytes` in all, each fsynced."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder.mkdir(parents=True, exist_ok=True)
+    data = os.urandom(block)
+    blocks = max(1, nbytes // block // streams)
+
+    def write(k: int) -> None:
+        with open(folder / f".disk-probe-{k}", "wb") as f:
+            for _ in range(blocks):
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(write, range(streams)))
+    seconds = time.perf_counter() - t
+    for k in range(streams):
+        (folder / f".disk-probe-{k}").unlink()
+    os.sync()
+    return blocks * block * streams / seconds / 1e9
+
+
+def layer_cut(model: str, layers: int, where: Path) -> str:
+    """A copy of `model`'s config.json with its first `layers` layers (dummy weights only)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    folder = where / f"{Path(model).name}-{layers}l"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    return str(folder)
+
+
 def stats(values: list[float]) -> str:
     return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
@@ -172,7 +214,13 @@ def main() -> None:
         help="comma-separated writer thread counts, 0 for eagle-extract's default: b runs once per count in every "
         "repetition (the first is reported as b)",
     )
+    ap.add_argument("--storage-dtypes", default="model", help="comma-separated: model, fp8; b runs once per each")
+    ap.add_argument("--sync", action="store_true", help="b's clock includes os.sync(); the disk is measured too")
+    ap.add_argument("--num-layers", type=int, default=None, help="cut the model to its first N layers (--dummy)")
+    ap.add_argument("--host-memory", type=float, default=None, help="the capture's host-memory budget, GiB")
     args = ap.parse_args()
+    if args.num_layers:
+        args.model = layer_cut(args.model, args.num_layers, args.out.parent)
 
     import torch
     from transformers import AutoConfig
@@ -209,24 +257,36 @@ def main() -> None:
         if builtin:
             builtin.generate(batch[:8], params, use_tqdm=False)
         threads = [int(x) for x in args.writer_threads.split(",")]
-        by_threads: dict[int, list[float]] = {n: [] for n in threads}
-        plain, written, vllm_own, vllm_written = [], [], [], []
+        runs = [(d, n) for d in args.storage_dtypes.split(",") for n in threads]  # every b variant
+        by_run: dict[tuple[str, int], list[float]] = {r: [] for r in runs}
+        written: dict[tuple[str, int], int] = {}
+        host_peak: dict[tuple[str, int], int] = {}
+        plain, vllm_own, vllm_written, disk = [], [], [], []
+        budget = int(args.host_memory * 2**30) if args.host_memory else None
         for rep in range(args.reps):
             t = time.perf_counter()
             llm.generate(batch, params, use_tqdm=False)
             plain.append(tokens / (time.perf_counter() - t))
 
-            for n in threads:
+            for storage, n in runs:
                 shutil.rmtree(args.out, ignore_errors=True)
-                llm.collective_rpc("eagle_install", args=(str(args.out), aux, None, False, False, n or None))
+                os.sync()  # the last run's deletions and writes are not charged to this one
+                install = (str(args.out), aux, None, storage == "fp8", False, n or None, budget)
+                llm.collective_rpc("eagle_install", args=install)
                 t = time.perf_counter()
                 llm.collective_rpc("eagle_expect", args=([(i, p) for i, p in enumerate(prompts)],))
                 llm.generate(batch, params, use_tqdm=False)
                 reports = [r for r in llm.collective_rpc("eagle_drain", args=(True,)) if r]
-                by_threads[n].append(tokens / (time.perf_counter() - t))
+                if args.sync:
+                    os.sync()
+                by_run[storage, n].append(tokens / (time.perf_counter() - t))
                 llm.collective_rpc("eagle_remove")
                 assert not reports[0]["errors"] and len(reports[0]["written"]) == args.prompts, reports[0]["errors"]
-                written.append(sum(f.stat().st_size for f in (args.out / "hidden_states").iterdir()))
+                written[storage, n] = sum(f.stat().st_size for f in (args.out / "hidden_states").iterdir())
+                host_peak[storage, n] = max(host_peak.get((storage, n), 0), reports[0]["stats"]["host_peak_bytes"])
+            if args.sync:
+                shutil.rmtree(args.out, ignore_errors=True)
+                disk.append(disk_write_rate(args.out, written[runs[0]], threads[0] or default_writer_threads()))
             if builtin:
                 shutil.rmtree(store, ignore_errors=True)
                 store.mkdir(parents=True)
@@ -235,7 +295,8 @@ def main() -> None:
                 vllm_own.append(tokens / (time.perf_counter() - t))
                 vllm_written.append(sum(f.stat().st_size for f in store.glob("*.safetensors")))
         held = gpu_memory()
-    capture = by_threads[threads[0]]
+    shutil.rmtree(args.out, ignore_errors=True)
+    capture = by_run[runs[0]]
     ratios = [b / a for a, b in zip(plain, capture)]
     figures_hf = (
         {"transformers_tok_s": hf, "b_over_c": statistics.median(capture) / statistics.median(hf)} if hf else {}
@@ -246,7 +307,14 @@ def main() -> None:
             b_over_d=statistics.median(capture) / statistics.median(vllm_own),
             builtin_bytes_per_token=vllm_written[-1] / tokens,
         )
-    per_token = written[-1] / tokens
+
+    def label(r):
+        return f"{r[0]}, {r[1] or default_writer_threads()} writer threads"
+
+    def gbps(r):
+        return statistics.median(by_run[r]) * written[r] / tokens / 1e9
+
+    per_token = written[runs[0]] / tokens
     figures = {
         "model": args.model,
         "dummy": args.dummy,
@@ -255,26 +323,44 @@ def main() -> None:
         "prompts": args.prompts,
         "prompt_len": args.prompt_len,
         "reps": args.reps,
+        "sync": args.sync,
         "slots": aux + [text.num_hidden_layers],
         "engine_start_s": round(start_s, 1),
         "plain_tok_s": plain,
         "extract_tok_s": capture,
         "ratios": ratios,
         "writer_threads": threads[0] or default_writer_threads(),
-        "extract_tok_s_by_writer_threads": by_threads,
-        "ratios_by_writer_threads": {n: [b / a for a, b in zip(plain, v)] for n, v in by_threads.items()},
+        "runs": {
+            label(r): {
+                "tok_s": v,
+                "ratios": [b / a for a, b in zip(plain, v)],
+                "bytes_per_token": written[r] / tokens,
+                "write_GBps": gbps(r),
+                "of_disk": gbps(r) / statistics.median(disk) if disk else None,
+                "host_peak_GiB": host_peak[r] / 2**30,
+            }
+            for r, v in by_run.items()
+        },
+        "disk_GBps": disk,
         "bytes_per_token": per_token,
-        "write_GBps": statistics.median(capture) * per_token / 1e9,
+        "write_GBps": gbps(runs[0]),
+        "host_budget_GiB": budget / 2**30 if budget else None,
         "peak_rss_GiB": mem.peak / 2**30,
         "gpu_memory": held,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         **figures_hf,
     }
-    print(f"\n| run | tokens/s median (min-max) |\n|---|---|\n| a: plain generate(max_tokens=1) | {stats(plain)} |")
-    for n, v in by_threads.items():
+    print("\n| run | tokens/s median (min-max) | b/a | GB/s written | of the disk's | peak host budget use |")
+    print(f"|---|---|---|---|---|---|\n| a: plain generate(max_tokens=1) | {stats(plain)} | 1 | | | |")
+    for r, v in by_run.items():
         ratio = statistics.median(b / a for a, b in zip(plain, v))
-        label = f"{n} writer threads" if n else f"default writer threads ({default_writer_threads()} here)"
-        print(f"| b: eagle-extract, files written, {label} | {stats(v)} | b/a {ratio:.3f} |")
+        share = f"{gbps(r) / statistics.median(disk):.2f}" if disk else "-"
+        print(
+            f"| b: eagle-extract, {label(r)}{', synced' if args.sync else ''} | {stats(v)} | {ratio:.3f} | "
+            f"{gbps(r):.2f} | {share} | {host_peak[r] / 2**30:.2f} GiB |"
+        )
+    if disk:
+        print(f"| disk: {threads[0] or default_writer_threads()} files side by side, fsynced | GB/s {stats(disk)} |")
     if hf:
         print(f"| c: transformers output_hidden_states, batch {args.hf_batch}, no disk | {stats(hf)} |")
         print(f"b/c {figures_hf['b_over_c']:.2f}")
@@ -283,8 +369,8 @@ def main() -> None:
         print(f"b/d {figures_hf['b_over_d']:.3f}; d wrote {figures_hf['builtin_bytes_per_token']:,.0f} B/token")
     print(
         f"b/a median {statistics.median(ratios):.3f} (per-rep {', '.join(f'{r:.3f}' for r in ratios)}); "
-        f"{per_token:,.0f} B/token; {figures['write_GBps']:.2f} GB/s written; "
-        f"peak RSS of process tree {figures['peak_rss_GiB']:.1f} GiB; engine start {start_s:.0f} s"
+        f"{per_token:,.0f} B/token; peak RSS of process tree {figures['peak_rss_GiB']:.1f} GiB; "
+        f"engine start {start_s:.0f} s"
     )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))

@@ -10,11 +10,14 @@ from __future__ import annotations
 import inspect
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from .fp8 import to_fp8
+from .hostmem import ByteBudget, Held, Rows, default_budget, pinned_bytes
 from .matching import RequestMatcher, segments
 from .model_nav import DecoderStack
 from .stages import stage_slots
@@ -58,31 +61,33 @@ def _layer_inputs(
 class _Step:
     """One engine step's captures, possibly still being copied off the GPU."""
 
-    states: torch.Tensor  # [N, K, H] host memory (pinned when the model is on a GPU)
+    held: Held  # states [N, K, H] (and FP8 scales [N, 1, 1]) in host memory, pinned on a GPU
     token_ids: torch.Tensor  # [N] int64, host
     positions: torch.Tensor  # [N] or [3, N] int64, host
     ready: object | None  # a CUDA event the copies finish at, None on the CPU
 
 
 class StepCapture:
-    """Hooks on one worker's decoder stack; calls `on_complete(index, hidden[T,K,H], token_ids)`,
-    K being the slots this pipeline stage holds (all of them without pipeline parallelism).
+    """Hooks on one worker's decoder stack; calls `on_complete(index, rows, token_ids)` with a request's
+    `hostmem.Rows` ([T, K, H] states, K being the slots this pipeline stage holds, and with `fp8` their
+    per-token scales), which hold their host memory until dropped.
 
     The hooks only launch work: each adds `hidden + residual` into its slot of a token-major
-    [N, K, H] step buffer on the model's device, and on a GPU the stage's last layer's hook copies that
-    buffer to pinned host memory on a side stream, so the forward pass never waits for the host.
-    Token-major means every request is a contiguous slice: nothing is re-laid out on the host.
-    A background thread waits for each step's copy, splits the step into requests and hands
-    finished requests on. At most `max_steps` steps wait in line; beyond that the forward pass
-    blocks (back-pressure).
+    [N, K, H] step buffer on the model's device; with `fp8` the stage's last hook quantises it there (one
+    scale per token), and on a GPU copies it to pinned host memory on a side stream, so the forward pass
+    never waits for the host. Token-major means every request is a contiguous slice: nothing is re-laid
+    out on the host. A background thread waits for each step's copy, splits the step into requests and
+    hands finished requests on. Host memory is taken from `budget` for every step; when it is spent the
+    forward pass waits (back-pressure) until written rows give theirs back.
     """
 
     def __init__(
         self,
         stack: DecoderStack,
         aux_ids: list[int],
-        on_complete: Callable[[int, torch.Tensor, list[int]], None],
-        max_steps: int = 4,
+        on_complete: Callable[[int, Rows, list[int]], None],
+        budget: ByteBudget | None = None,
+        fp8: bool = False,
         ids_from: torch.nn.Module | None = None,
     ) -> None:
         if stack.is_first_stage and stack.embed is None:
@@ -96,6 +101,8 @@ class StepCapture:
             raise RuntimeError(f"layers {stack.start}-{stack.end} hold no slot; install no capture on this stage")
         self.ids_from = ids_from
         self.on_complete = on_complete
+        self.budget = budget or ByteBudget(default_budget())
+        self.fp8 = fp8
         self.matcher = RequestMatcher()
         self.stats = CaptureStats()
         self.errors: list[str] = []
@@ -105,7 +112,8 @@ class StepCapture:
         self._ids: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None  # [N, K, H] on the model's device
         self._copy_stream = None
-        self._steps: queue.Queue = queue.Queue(maxsize=max_steps)
+        self._pinned_rows = 0  # pinned step buffers are made this many rows long: one size for the allocator
+        self._steps: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._assemble_loop, daemon=True)
         self._thread.start()
 
@@ -134,21 +142,45 @@ class StepCapture:
         self._steps.put(None)
         self._thread.join()
 
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """Copy to host memory; on a GPU asynchronously, on the side stream, into pinned memory."""
+    def _to_host(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy to host memory (into `out` if given); on a GPU asynchronously, on the side stream, into
+        pinned memory."""
         if t.device.type != "cuda":
             return t.detach().clone()
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=t.device)
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        if out is None:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self._copy_stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(self._copy_stream):
             out.copy_(t, non_blocking=True)
         t.record_stream(self._copy_stream)  # keep t's memory until the side stream has read it
         return out
 
+    def _block_bytes(self, t: torch.Tensor) -> int:
+        return pinned_bytes(self._pinned_rows * (t.nbytes // t.shape[0]))
+
+    def _pinned_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` copied into pinned memory cut from a block of `_pinned_rows` rows: one block size step after
+        step, which PyTorch's caching host allocator (power-of-two blocks, never merged) then reuses."""
+        whole = torch.empty((self._pinned_rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+        return self._to_host(t, whole[: t.shape[0]])
+
+    def _to_held(self, staging: torch.Tensor) -> Held:
+        """The step's states (quantised here with `fp8`) in host memory, their bytes taken from the budget
+        first: this is where the forward pass waits when the writer falls behind."""
+        states, scales = to_fp8(staging) if self.fp8 else (staging, None)
+        if staging.device.type != "cuda":  # the step buffer is host memory already, taken in _store
+            return Held(self.budget, staging.nbytes, states, scales)
+        parts = [states] if scales is None else [states, scales]
+        self._pinned_rows = max(self._pinned_rows, staging.shape[0])
+        nbytes = sum(self._block_bytes(t) for t in parts)
+        self.budget.take(nbytes)
+        host = [self._pinned_copy(t) for t in parts]
+        return Held(self.budget, nbytes, host[0], host[1] if scales is not None else None)
+
     def _on_embed(self, module, args) -> None:
-        self._ids = self._to_host(args[0].detach().flatten().to(torch.int64))
+        self._ids = self._to_host(args[0].detach().flatten().to(torch.int64, copy=True))  # a buffer vLLM reuses
 
     def _on_model_call(self, module, args, kwargs) -> None:
         ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
@@ -163,6 +195,8 @@ class StepCapture:
         if self._staging is None:
             shape = (hidden.shape[0], len(self.slots), hidden.shape[-1])
             self._staging = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
+            if hidden.device.type != "cuda":  # the step buffer is the host memory the rows will hold
+                self.budget.take(self._staging.nbytes)
         out = self._staging[:, column]
         if residual is None:
             out.copy_(hidden)
@@ -183,27 +217,34 @@ class StepCapture:
             self._store(len(self.slots) - 1, hidden, residual)
         staging, ids = self._staging, self._ids
         self._staging = self._ids = None
-        if staging is None or ids is None:
+        if staging is None or ids is None or staging.shape[0] == 0:
+            if staging is not None and staging.device.type != "cuda":
+                self.budget.give(staging.nbytes)  # taken in _store, never held by a step
             return
-        states = staging if staging.device.type == "cpu" else self._to_host(staging)
-        positions = self._to_host(positions.detach().to(torch.int64))
+        # vLLM's positions buffer is persistent and already int64: snapshot it on the compute stream, or the
+        # next step's upload could overwrite it before the side stream has copied it
+        positions = self._to_host(positions.detach().to(torch.int64, copy=True))
+        held = self._to_held(staging)
         ready = self._copy_stream.record_event() if staging.device.type == "cuda" else None
-        self._steps.put(_Step(states, ids, positions, ready))
+        self.budget.count("steps", 1)
+        self._steps.put(_Step(held, ids, positions, ready))
 
     # -- per-step bookkeeping (background thread) --------------------------------------
     def _assemble_loop(self) -> None:
         while True:
             step = self._steps.get()
+            if step is None:
+                self._steps.task_done()
+                return
             try:
-                if step is None:
-                    return
                 if step.ready is not None:
                     step.ready.synchronize()
                 self._assemble(step)
             except Exception as exc:  # reported to the driver by eagle_drain
                 self.errors.append(f"capture: {type(exc).__name__}: {exc}")
-            finally:
-                self._steps.task_done()
+            del step  # its buffer goes back to the budget once its rows are written, not at the next step
+            self.budget.count("steps", -1)
+            self._steps.task_done()
 
     def _assemble(self, step: _Step) -> None:
         id_list = step.token_ids.tolist()
@@ -212,18 +253,22 @@ class StepCapture:
             self.stats.steps += 1
             for offset, length, start_pos in segments(step.positions):
                 self.stats.segments += 1
-                # a contiguous [T, K, H] view: the step buffer lives until the request's file is written
-                done, used = self.matcher.add(id_list[offset : offset + length], start_pos,
-                                              step.states[offset : offset + length])  # fmt: skip
+                # a contiguous [T, K, H] slice: the step buffer lives until the request's file is written
+                rows = Rows(step.held, offset, offset + length)
+                done, used = self.matcher.add(id_list[offset : offset + length], start_pos, rows)
                 if not used:
                     self.stats.unmatched_tokens += length
                 finished += done
             self.matcher.prune()
+            # prompts still open keep a copy of their part, never this whole step buffer
+            self.matcher.replace_open_chunks(lambda c: Rows.join([c], self.budget) if c.held is step.held else c)
             self.stats.split_requests = self.matcher.split_requests
             self.stats.merged_runs = self.matcher.merged_runs
         for req, chunks in finished:
-            hidden = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-            self.on_complete(req.index, hidden, list(req.token_ids))
+            row = chunks[0][:] if len(chunks) == 1 else Rows.join(chunks, self.budget)
+            self.budget.count("rows", 1)
+            weakref.finalize(row, self.budget.count, "rows", -1)  # when the writer has dropped it
+            self.on_complete(req.index, row, list(req.token_ids))
 
     def expect(self, rows: list[tuple[int, list[int]]]) -> None:
         with self.lock:
@@ -234,4 +279,5 @@ class StepCapture:
         """Wait until every captured step is assembled; report stats, pending rows and errors."""
         self._steps.join()
         with self.lock:
-            return {"stats": self.stats.as_dict(), "pending": self.matcher.pending, "errors": list(self.errors)}
+            stats = {**self.stats.as_dict(), **self.budget.stats()}
+            return {"stats": stats, "pending": self.matcher.pending, "errors": list(self.errors)}

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import torch
 
+from .fp8 import FP8, SCALES
 from .writer import (
-    FP8,
     HIDDEN_DIR,
     MANIFEST,
-    SCALES,
     completed_rows,
     hidden_state_path,
     read_manifest,

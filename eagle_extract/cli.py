@@ -198,6 +198,14 @@ def main():
     help="Threads writing hidden-state files on the writing rank. [default: one per two CPU cores, 2 to 8]",
 )
 @click.option(
+    "--host-memory",
+    type=float,
+    default=D.host_memory,
+    metavar="GIB",
+    help="Host memory the captured states may hold at once (step buffers, rows waiting for the disk); "
+    "when it is spent the forward pass waits for the writer. [default: an eighth of RAM, 2 to 32 GiB]",
+)
+@click.option(
     "--no-disk-check",
     "check_disk",
     is_flag=True,

@@ -58,6 +58,7 @@ class ExtractConfig:
     storage_dtype: str = "model"  # or "fp8": speculators' FP8 layout, half the bytes of bf16
     format: str = "speculators"  # or LEGACY: speculators 0.3/0.4's data_{i}.pt files
     writer_threads: int | None = None  # None: writer.default_writer_threads()
+    host_memory: float | None = None  # GiB of captured states in host memory; None: hostmem.default_budget()
     check_disk: bool = True  # the CLI's --no-disk-check sets it False
 
     @classmethod

@@ -135,6 +135,12 @@ class RequestMatcher:
             self._open.remove(partial)
         return done, bool(done) or keep
 
+    def replace_open_chunks(self, fn) -> None:
+        """Swap every chunk an open partial prompt holds for `fn(chunk)` (the capture copies them out of
+        a step's buffer, so that buffer can go)."""
+        for partial in self._open:
+            partial.chunks = [fn(c) for c in partial.chunks]
+
     def prune(self) -> None:
         """Close the partial prompts no waiting prompt extends any more (their prompts were bound elsewhere)."""
         self._open = [s for s in self._open if self._extended(tuple(s.tokens), strictly=True)]

@@ -62,6 +62,8 @@ def check_options(cfg: ExtractConfig) -> None:
     for name in ("dp", "writer_threads"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ExtractError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.host_memory is not None and cfg.host_memory <= 0:
+        raise ExtractError(f"--host-memory {cfg.host_memory}: give the GiB of host memory captured states may hold")
     check_engine_args(cfg.engine_args)
     if cfg.shard and cfg.overwrite:
         raise ExtractError(

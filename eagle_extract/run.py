@@ -114,9 +114,9 @@ def _capture(llm, plan: Plan, total: int, todo: list, done: set[int]) -> tuple[s
     from vllm import SamplingParams, TokensPrompt
 
     cfg = plan.cfg
-    installed = llm.collective_rpc(
-        "eagle_install", args=(str(cfg.output), plan.aux_ids, cfg.decoder_path, cfg.fp8, cfg.legacy, cfg.writer_threads)
-    )
+    host_memory = int(cfg.host_memory * 2**30) if cfg.host_memory else None
+    args = (str(cfg.output), plan.aux_ids, cfg.decoder_path, cfg.fp8, cfg.legacy, cfg.writer_threads, host_memory)
+    installed = llm.collective_rpc("eagle_install", args=args)
     writers = [w for w in installed if w["writes"]]  # in rank order, as eagle_drain reports them
     try:
         check_layout(writers, plan.shape.num_layers, len(plan.slot_ids))

@@ -8,6 +8,7 @@ small plain data; tensors never cross the RPC boundary, they go straight to disk
 from __future__ import annotations
 
 from .capture import StepCapture
+from .hostmem import ByteBudget, default_budget
 from .model_nav import find_decoder
 from .stages import part_root, stage_slots
 from .writer import BackgroundWriter
@@ -32,11 +33,15 @@ class HiddenStateExtension:
         fp8: bool = False,
         legacy: bool = False,
         writer_threads: int | None = None,
+        host_memory: int | None = None,
     ) -> dict:
         """Hook the decoder on the one rank per TP group that writes; other ranks stay hook-free.
 
         A pipeline stage hooks only its own layers and, unless it runs them all, writes its slots
-        as part files (stages.py) that the driver joins, in the requested format, into each row's file."""
+        as part files (stages.py) that the driver joins, in the requested format, into each row's file.
+        With `fp8` a whole model's states are quantised on its device; part files are joined, then
+        quantised, on the host.  `host_memory` bytes (default: hostmem.default_budget()) bound the
+        captured states held in host memory."""
         model = self.get_model()
         stack = find_decoder(model, decoder_path)
         slots = stage_slots(aux_ids, stack.num_layers, stack.start, stack.end)
@@ -55,7 +60,8 @@ class HiddenStateExtension:
         if writes:
             folder = output if whole else info["part"]
             writer = BackgroundWriter(folder, fp8=fp8 and whole, legacy=legacy and whole, threads=writer_threads)
-            capture = StepCapture(stack, aux_ids, writer.submit, ids_from=model)
+            budget = ByteBudget(host_memory or default_budget())
+            capture = StepCapture(stack, aux_ids, writer.submit, budget, fp8=fp8 and whole, ids_from=model)
             capture.install()
             self._eagle = (capture, writer)
         return {**info, "writes": writes}

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from .atomic import write_atomically, write_json
+from .fp8 import SCALES, to_fp8
 
 HIDDEN_DIR = "hidden_states"
 MANIFEST = "eagle_extract.json"
@@ -39,28 +40,20 @@ def hidden_state_path(output: Path, index: int, legacy: bool = False) -> Path:
     return Path(output) / HIDDEN_DIR / f"hs_{index}.safetensors"
 
 
-FP8 = torch.float8_e4m3fn
-SCALES = "hidden_states_scales"
-
-
-def to_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """speculators' FP8 layout: one float32 scale per token, value = fp8 * scale."""
-    wide = hidden.float()
-    amax = wide.abs().amax(dim=tuple(range(1, wide.dim())), keepdim=True)
-    scale = (amax / torch.finfo(FP8).max).clamp(min=1e-12)
-    return (wide / scale).to(FP8), scale
-
-
 def write_hidden_states(
-    output: Path, index: int, hidden: torch.Tensor, token_ids: list[int], fp8: bool = False
+    output: Path, index: int, hidden: torch.Tensor, token_ids: list[int], fp8: bool = False, scales=None
 ) -> None:
-    """Write one row's file, in the model dtype or (fp8) quantised with per-token scales."""
+    """Write one row's file: in the model dtype, already quantised (`scales` given: the capture
+    quantised on the model's device), or (fp8) quantised here with per-token scales."""
     tensors = {"token_ids": torch.tensor(token_ids, dtype=torch.int64)}
-    if fp8:
+    if scales is not None:
+        tensors["hidden_states"], tensors[SCALES] = hidden.contiguous(), scales.contiguous()
+    elif fp8:
         tensors["hidden_states"], tensors[SCALES] = to_fp8(hidden)
     else:
         tensors["hidden_states"] = hidden.contiguous()
-    write_atomically(hidden_state_path(output, index), lambda tmp: save_file(tensors, str(tmp)), hidden.nbytes)
+    nbytes = sum(t.nbytes for t in tensors.values())
+    write_atomically(hidden_state_path(output, index), lambda tmp: save_file(tensors, str(tmp)), nbytes)
 
 
 def write_legacy(output: Path, index: int, hidden: torch.Tensor, token_ids: list[int], loss_mask: list[int]) -> None:
@@ -83,8 +76,8 @@ def default_writer_threads() -> int:
 class BackgroundWriter:
     """Writes hidden-state files on worker threads so the forward pass never waits for disk.
 
-    The queue is bounded: when the disk falls behind, `submit` blocks (back-pressure)
-    instead of letting captured tensors pile up in memory.
+    Each queued row holds its host memory until written; the capture's byte budget (hostmem.py), not
+    this queue, bounds how much that is, and makes the forward pass wait when the disk falls behind.
     """
 
     def __init__(
@@ -93,14 +86,13 @@ class BackgroundWriter:
         fp8: bool = False,
         legacy: bool = False,
         threads: int | None = None,
-        max_pending: int = 64,
     ) -> None:
         self.output = Path(output)
         self.fp8 = fp8
         self.legacy = legacy
         self.loss_masks: dict[int, list[int]] = {}  # legacy files carry the mask; filled by the driver
         (self.output / HIDDEN_DIR).mkdir(parents=True, exist_ok=True)
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.written: list[int] = []
         self.errors: list[str] = []
@@ -113,34 +105,37 @@ class BackgroundWriter:
         with self._lock:
             self.loss_masks.update(masks)
 
-    def submit(self, index: int, hidden: torch.Tensor, token_ids: list[int]) -> None:
-        self._queue.put((index, hidden, token_ids))
+    def submit(self, index: int, rows, token_ids: list[int]) -> None:
+        """Queue one row: `rows.states` [T, K, H] (and `rows.scales` when already quantised to FP8)."""
+        self._queue.put((index, rows, token_ids))
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                index, hidden, token_ids = item
-                if self.errors:  # after a failure keep draining, write nothing more
-                    continue
-                try:
-                    if self.legacy:
-                        with self._lock:
-                            mask = self.loss_masks.pop(index)
-                        write_legacy(self.output, index, hidden, token_ids, mask)
-                    else:
-                        write_hidden_states(self.output, index, hidden, token_ids, self.fp8)
-                except Exception as exc:  # reported to the driver by drain()
-                    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-                    with self._lock:
-                        self.errors.append(f"row {index}: {why}")
-                    continue
-                with self._lock:
-                    self.written.append(index)
-            finally:
+            if item is None:
                 self._queue.task_done()
+                return
+            self._write(*item)
+            del item  # the row's host memory goes back to the budget now, not at the next row
+            self._queue.task_done()
+
+    def _write(self, index: int, rows, token_ids: list[int]) -> None:
+        if self.errors:  # after a failure keep draining, write nothing more
+            return
+        try:
+            if self.legacy:
+                with self._lock:
+                    mask = self.loss_masks.pop(index)
+                write_legacy(self.output, index, rows.states, token_ids, mask)
+            else:
+                write_hidden_states(self.output, index, rows.states, token_ids, self.fp8, rows.scales)
+        except Exception as exc:  # reported to the driver by drain()
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            with self._lock:
+                self.errors.append(f"row {index}: {why}")
+            return
+        with self._lock:
+            self.written.append(index)
 
     def drain(self, wait: bool = True) -> dict:
         """Report and reset what was written since the last drain; `wait` first lets the queue empty."""

@@ -454,6 +454,12 @@ def copy_checks() -> None:
 
     check("capture path (side stream, pinned buffers) vs blocking copies", fn)
 
+    def fp8():
+        rows, equal = capture_vs_synchronous(DEVICE, hidden=4096, layers=8, steps=8, step_tokens=8192, fp8=True)
+        return rows == equal, f"{equal} of {rows} requests: values and scales bitwise equal to the host's quantisation"
+
+    check("FP8 quantised on the GPU in the capture vs on the host from blocking copies", fp8)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()

@@ -107,13 +107,17 @@ class _ToyLayer(torch.nn.Module):
         return torch.tanh(self.proj(hidden_states)), residual
 
 
-def capture_vs_synchronous(device: str, hidden: int = 64, layers: int = 4, steps: int = 6, step_tokens: int = 96):
+def capture_vs_synchronous(
+    device: str, hidden: int = 64, layers: int = 4, steps: int = 6, step_tokens: int = 96, fp8: bool = False
+):
     """Run a toy decoder through StepCapture and through plain blocking copies at once.
 
     Requests of random lengths are packed into flat steps in shuffled order, long ones split
-    across steps.  Returns (rows compared, rows bitwise equal to the synchronous copies).
+    across steps.  With `fp8` the capture quantises on `device` and is compared with the synchronous
+    copies quantised on the host.  Returns (rows compared, rows bitwise equal to the synchronous copies).
     """
     from eagle_extract.capture import StepCapture, _layer_inputs
+    from eagle_extract.fp8 import to_fp8
     from eagle_extract.model_nav import DecoderStack
 
     gen = torch.Generator().manual_seed(0)
@@ -121,8 +125,8 @@ def capture_vs_synchronous(device: str, hidden: int = 64, layers: int = 4, steps
     blocks = torch.nn.ModuleList(_ToyLayer(hidden) for _ in range(layers)).to(device)
     stack = DecoderStack("toy", blocks, blocks, 0, layers, embed)
     aux = [0, layers // 2, layers - 1]
-    got: dict[int, torch.Tensor] = {}
-    capture = StepCapture(stack, aux, lambda i, hs, ids: got.__setitem__(i, hs))
+    got: dict[int, tuple] = {}
+    capture = StepCapture(stack, aux, lambda i, rows, ids: got.__setitem__(i, (rows.states, rows.scales)), fp8=fp8)
     capture.install()
     sync: list[list[torch.Tensor]] = []  # per step: one [N, H] host tensor per slot
 
@@ -172,6 +176,12 @@ def capture_vs_synchronous(device: str, hidden: int = 64, layers: int = 4, steps
     equal = 0
     for row, pieces in where.items():
         want = torch.cat([torch.stack([s[off : off + n] for s in sync[k]], dim=1) for k, off, n in pieces])
-        equal += int(row in got and torch.equal(got[row], want))
+        states, scales = got.get(row, (None, None))
+        if fp8:
+            want, want_scales = to_fp8(want)  # the host's quantisation of the blocking copies
+            equal += int(states is not None and torch.equal(scales, want_scales))
+            equal += int(states is not None and torch.equal(states.view(torch.uint8), want.view(torch.uint8)))
+        else:
+            equal += 2 * int(states is not None and scales is None and torch.equal(states, want))
     assert not report["errors"] and not report["pending"], report
-    return len(where), equal
+    return len(where), equal // 2

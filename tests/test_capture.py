@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
+from eagle_extract.fp8 import to_fp8
+
 from .common import capture_vs_synchronous
 
 
@@ -11,3 +15,26 @@ def test_step_capture_equals_blocking_copies():
     scripts/gpu_checks.py runs the same check on CUDA."""
     rows, equal = capture_vs_synchronous("cpu")
     assert rows == 12 and equal == rows
+
+
+def test_fp8_quantised_on_the_models_device_equals_the_hosts():
+    """With --storage-dtype fp8 the capture quantises each step on the model's device (here the CPU;
+    scripts/gpu_checks.py runs it on CUDA) and rows are slices of it: values and scales must be the
+    bytes the host writer makes from the same states, for rows within one step and rows over several."""
+    rows, equal = capture_vs_synchronous("cpu", fp8=True)
+    assert rows == 12 and equal == rows
+
+
+def test_fp8_layout_is_speculators():
+    """value = fp8 * scale with one float32 scale per token, scale = amax / 448 (an all-zero token keeps
+    a tiny positive scale); dequantised within half an fp8 step of the input."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 4, 32, dtype=torch.bfloat16) * torch.logspace(-3, 3, 7).view(7, 1, 1).bfloat16()
+    x[3] = 0
+    q, scale = to_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (7, 1, 1)
+    amax = x.float().abs().flatten(1).max(1).values.view(7, 1, 1)
+    assert torch.equal(scale, (amax / 448).clamp(min=1e-12))
+    back = q.float() * scale
+    assert torch.all((back - x.float()).abs() <= amax * 2**-4 + 1e-30)
+    assert torch.equal(q.float().abs().flatten(1).max(1).values[[0, 1, 2, 4, 5, 6]], torch.full((6,), 448.0))

@@ -57,8 +57,9 @@ def flat_steps(prompts: list[list[int]], step_tokens: int, gen) -> list[tuple[li
     return steps
 
 
-def run_pipeline(tmp, bounds, aux, fp8=False, masks=None):
-    """Capture the same steps through stages `bounds` and write the rows; returns the output folder."""
+def run_pipeline(tmp, bounds, aux, fp8=False, masks=None, device_fp8=False):
+    """Capture the same steps through stages `bounds` and write the rows; returns the output folder.
+    `device_fp8`: one stage quantises in the capture, as a whole model does, not in the writer."""
     torch.manual_seed(0)
     embed = torch.nn.Embedding(VOCAB, HIDDEN)
     blocks = [_ToyLayer(HIDDEN) for _ in range(LAYERS)]
@@ -79,7 +80,7 @@ def run_pipeline(tmp, bounds, aux, fp8=False, masks=None):
         writer = BackgroundWriter(out if whole else info["part"], fp8=fp8 and whole, legacy=masks is not None and whole)
         if masks is not None and whole:
             writer.expect_loss_masks(list(masks.items()))
-        capture = StepCapture(stack, aux, writer.submit, ids_from=stage)
+        capture = StepCapture(stack, aux, writer.submit, fp8=device_fp8 and whole, ids_from=stage)
         capture.install()
         capture.expect(list(enumerate(prompts)))
         writers.append((capture, writer))
@@ -135,7 +136,7 @@ def test_pipeline_stages_write_what_one_stage_writes(tmp_path, bounds):
 def test_joined_rows_take_the_requested_format(tmp_path):
     """fp8 and the legacy format are applied when the parts are joined, as one stage would write them."""
     aux = [2, 3, 6]
-    one, n = run_pipeline(tmp_path / "fp8", [(0, LAYERS)], aux, fp8=True)
+    one, n = run_pipeline(tmp_path / "fp8", [(0, LAYERS)], aux, fp8=True, device_fp8=True)
     split, _ = run_pipeline(tmp_path / "fp8", [(0, 4), (4, 8)], aux, fp8=True)
     for i in range(n):
         a, b = load_file(str(hidden_state_path(one, i))), load_file(str(hidden_state_path(split, i)))

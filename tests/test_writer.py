@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import weakref
 
 import pytest
 import torch
@@ -50,15 +51,56 @@ def test_full_disk_leaves_no_file_and_names_the_fix(tmp_path, monkeypatch, faili
     assert list((tmp_path / "hidden_states").iterdir()) == []
 
 
+def _rows(states):
+    """A row as the capture hands it to the writer."""
+    from eagle_extract.hostmem import ByteBudget, Held, Rows
+
+    return Rows(Held(ByteBudget(2**20), states.nbytes, states, None), 0, len(states))
+
+
 def test_background_writer_reports_failures_and_stops_writing(tmp_path, monkeypatch):
     bg = BackgroundWriter(tmp_path, threads=1)
-    bg.submit(0, torch.zeros(2, 2, 2), [1, 2])
+    bg.submit(0, _rows(torch.zeros(2, 2, 2)), [1, 2])
     first = bg.drain()
     assert first["written"] == [0] and first["errors"] == []
     monkeypatch.setattr(writer, "save_file", _disk_full)
-    bg.submit(1, torch.zeros(2, 2, 2), [1, 2])
-    bg.submit(2, torch.zeros(2, 2, 2), [1, 2])
+    bg.submit(1, _rows(torch.zeros(2, 2, 2)), [1, 2])
+    bg.submit(2, _rows(torch.zeros(2, 2, 2)), [1, 2])
     report = bg.drain()
     bg.close()
     assert report["written"] == [] and len(report["errors"]) == 1 and "row 1: disk full" in report["errors"][0]
     assert sorted(p.name for p in (tmp_path / "hidden_states").iterdir()) == ["hs_0.safetensors"]
+
+
+def test_host_memory_is_bounded_in_bytes_and_given_back_when_rows_are_written(tmp_path, monkeypatch):
+    """Steps take their bytes from the budget; the capture waits for room while rows are in flight,
+    and every byte comes back once the writer has written (and dropped) the rows."""
+    import threading
+
+    from eagle_extract.hostmem import ByteBudget, Held, Rows
+
+    budget = ByteBudget(3000)
+    gate = threading.Event()
+    real = writer.save_file
+    monkeypatch.setattr(writer, "save_file", lambda *a, **k: (gate.wait(), real(*a, **k)))  # a slow disk
+    bg = BackgroundWriter(tmp_path, threads=1)
+    for i in range(2):  # two "steps" of 1,000 bytes, one row each, handed to the writer
+        budget.take(1000)
+        step = Held(budget, 1000, torch.zeros(250, 1, 1), None)
+        row = Rows(step, 0, 250)
+        budget.count("rows", 1)
+        weakref.finalize(row, budget.count, "rows", -1)
+        bg.submit(i, row, list(range(250)))
+        del step, row
+    assert budget.used == 2000 and budget.rows == 2
+    took = threading.Thread(target=budget.take, args=(1500,))  # a third step does not fit: it waits ...
+    took.start()
+    took.join(0.3)
+    assert took.is_alive() and budget.waits == 1
+    gate.set()  # ... until the disk has taken the rows
+    took.join(5)
+    assert not took.is_alive() and sorted(bg.drain()["written"]) == [0, 1]
+    assert budget.used == 1500 and budget.rows == 0 and 2000 <= budget.peak <= budget.limit
+    budget.give(1500)
+    budget.take(10_000)  # nothing in flight frees room: a step larger than the budget is let through
+    assert budget.used == 10_000 and budget.peak == 10_000
