@@ -1,3 +1,5 @@
+"""`python -m eagle_extract`: the command line."""
+
 from .cli import main
 
 if __name__ == "__main__":  # vLLM spawns its engine process, which re-imports __main__

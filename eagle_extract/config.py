@@ -1,5 +1,7 @@
-"""One extraction's settings: the CLI's options and the Python API's keyword arguments, with one set of
-names and defaults, and their record form in the manifest and a `--dp` replica's command line."""
+"""One extraction's settings, with the names and defaults the CLI and the Python API share.
+
+Also their record form, as the manifest and a `--dp` replica's command line hold it.
+"""
 
 from __future__ import annotations
 

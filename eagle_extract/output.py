@@ -1,5 +1,8 @@
-"""The output folder's life: whose it is, resuming into it, sweeping what a dead run left, completing it
-(the Arrow rows, token_freq.pt and, last, the manifest), merging shards and reopening it for a repair."""
+"""The output folder's life, from preparing it to completing it.
+
+Whose it is, resuming into it, sweeping what a dead run left, completing it (the Arrow rows,
+token_freq.pt and, last, the manifest), merging shards and reopening it for a repair.
+"""
 
 from __future__ import annotations
 

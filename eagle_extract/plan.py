@@ -1,5 +1,8 @@
-"""What one run will do, decided before anything is created: the checked settings, the model's shape, the
-slots, the rows and their tokens, and the identity a resumed run must match."""
+"""What one run will do, decided before anything is created.
+
+The checked settings, the model's shape, the slots, the rows and their tokens, and the identity a
+resumed run must match.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""Every check made before anything is created or any engine starts: the model's shape against the
-options, the output folder's writability, and the disk space."""
+"""Every check made before anything is created or any engine starts.
+
+The model's shape against the options, clashing options, the output folder's writability, and the
+disk space.
+"""
 
 from __future__ import annotations
 

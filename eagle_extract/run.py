@@ -1,5 +1,8 @@
-"""One extraction run, top to bottom: plan, prepare the output, start the engine, stream the rows
-through the capture loop, complete the output (or this shard of it)."""
+"""One extraction run, top to bottom, and its capture loop.
+
+Plan, prepare the output, start the engine, stream the rows through the capture loop, complete the
+output (or this shard of it).
+"""
 
 from __future__ import annotations
 
