@@ -360,7 +360,8 @@ def main() -> None:
             f"{gbps(r):.2f} | {share} | {host_peak[r] / 2**30:.2f} GiB |"
         )
     if disk:
-        print(f"| disk: {threads[0] or default_writer_threads()} files side by side, fsynced | GB/s {stats(disk)} |")
+        spread = f"{statistics.median(disk):.2f} ({min(disk):.2f}-{max(disk):.2f})"
+        print(f"| disk: {threads[0] or default_writer_threads()} files side by side, fsynced | GB/s {spread} |")
     if hf:
         print(f"| c: transformers output_hidden_states, batch {args.hf_batch}, no disk | {stats(hf)} |")
         print(f"b/c {figures_hf['b_over_c']:.2f}")

@@ -15,12 +15,20 @@ def temporary_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-def write_atomically(path: Path, save: Callable[[Path], None], nbytes: int = 0) -> None:
-    """save(tmp) then rename over `path`; a failed save leaves nothing, and ENOSPC becomes one line."""
+def write_atomically(path: Path, save: Callable[[Path], None], nbytes: int = 0, durable: bool = False) -> None:
+    """save(tmp) then rename over `path`; a failed save leaves nothing, and ENOSPC becomes one line.
+    `durable` files are fsynced before the rename: their bytes are on the disk before their name is
+    final, and the disk is kept writing while the run goes on instead of when the page cache fills."""
     path = Path(path)
     tmp = temporary_name(path)
     try:
         save(tmp)
+        if durable:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
     except BaseException as exc:
         if tmp.is_dir():

@@ -14,7 +14,9 @@ def to_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     temporary is one [T, H] slice, not the whole [T, K, H]."""
     dims = tuple(range(1, hidden.dim()))
     amax = hidden.abs().amax(dim=dims, keepdim=True).float()  # exact in any dtype: max of exact values
-    scale = (amax / torch.finfo(FP8).max).clamp(min=1e-12)
+    # a tensor divisor: CUDA divides by a Python number as a multiplication by its reciprocal, which
+    # rounds differently from the CPU's true division (seen on the H200: no row matched)
+    scale = (amax / torch.tensor(torch.finfo(FP8).max, device=amax.device)).clamp(min=1e-12)
     if hidden.dim() < 3:
         return (hidden.float() / scale).to(FP8), scale
     out = torch.empty(hidden.shape, dtype=FP8, device=hidden.device)

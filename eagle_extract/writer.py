@@ -53,7 +53,7 @@ def write_hidden_states(
     else:
         tensors["hidden_states"] = hidden.contiguous()
     nbytes = sum(t.nbytes for t in tensors.values())
-    write_atomically(hidden_state_path(output, index), lambda tmp: save_file(tensors, str(tmp)), nbytes)
+    write_atomically(hidden_state_path(output, index), lambda tmp: save_file(tensors, str(tmp)), nbytes, durable=True)
 
 
 def write_legacy(output: Path, index: int, hidden: torch.Tensor, token_ids: list[int], loss_mask: list[int]) -> None:
@@ -63,7 +63,7 @@ def write_legacy(output: Path, index: int, hidden: torch.Tensor, token_ids: list
         "hidden_states": [hidden[:, k].clone() for k in range(hidden.shape[1])],
         "loss_mask": torch.tensor(loss_mask, dtype=torch.long),
     }
-    write_atomically(hidden_state_path(output, index, True), lambda tmp: torch.save(sample, tmp), hidden.nbytes)
+    write_atomically(hidden_state_path(output, index, True), lambda tmp: torch.save(sample, tmp), hidden.nbytes, True)
 
 
 def default_writer_threads() -> int:
