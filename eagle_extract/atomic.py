@@ -24,11 +24,7 @@ def write_atomically(path: Path, save: Callable[[Path], None], nbytes: int = 0, 
     try:
         save(tmp)
         if durable:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync(tmp)
         os.replace(tmp, path)
     except BaseException as exc:
         if tmp.is_dir():
@@ -40,8 +36,16 @@ def write_atomically(path: Path, save: Callable[[Path], None], nbytes: int = 0, 
         raise
 
 
-def write_json(path: Path, data) -> None:
-    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"))
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, data, durable: bool = False) -> None:
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"), durable=durable)
 
 
 def is_disk_full(exc: Exception) -> bool:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .atomic import write_atomically, write_json
+from .atomic import fsync, write_atomically, write_json
 from .fp8 import SCALES, to_fp8
 
 HIDDEN_DIR = "hidden_states"
@@ -191,15 +191,16 @@ def write_dataset(output: Path, input_ids: list[list[int]], loss_masks: list[lis
     try:
         table.save_to_disk(str(staging))
         for item in staging.iterdir():
+            fsync(item)  # on the disk before the manifest says the output is complete
             os.replace(item, output / item.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     freq = token_frequencies(input_ids, loss_masks)
-    write_atomically(output / "token_freq.pt", lambda tmp: torch.save(freq, tmp))
+    write_atomically(output / "token_freq.pt", lambda tmp: torch.save(freq, tmp), durable=True)
 
 
 def write_manifest(output: Path, manifest: dict) -> None:
-    write_json(Path(output) / MANIFEST, manifest)
+    write_json(Path(output) / MANIFEST, manifest, durable=True)
 
 
 def read_manifest(output: Path) -> dict:
