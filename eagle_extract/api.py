@@ -29,7 +29,7 @@ class Summary:
     model: str
     rows: int
     tokens: int
-    bytes_written: int
+    bytes_written: int | None  # None for one shard: the files are counted when the output completes
     engine_start_s: float
     extract_s: float
     tokens_per_s: float
@@ -58,7 +58,7 @@ class Summary:
                 model=config["model"],
                 rows=result["rows"],
                 tokens=result["tokens"],
-                bytes_written=0,
+                bytes_written=None,
                 engine_start_s=result["engine_start_s"],
                 extract_s=result["extract_s"],
                 tokens_per_s=round(result["tokens"] / result["extract_s"], 1) if result["extract_s"] else 0.0,
@@ -118,7 +118,7 @@ def verify(output, progress: bool = False) -> Report:
     return Report(Path(output), find_problems(Path(output), progress=progress))
 
 
-def merge(output, log=print) -> Summary:
+def merge(output) -> Summary:
     """Complete a sharded output once every shard has finished."""
     return Summary.of(out.merge(Path(output)), output)
 

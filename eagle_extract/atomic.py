@@ -1,4 +1,4 @@
-"""Writing a file (or folder) so that its final name only ever holds a whole one."""
+"""Writing a file so that its final name only ever holds a whole one."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Callable
 
 
 def temporary_name(path: Path) -> Path:
-    """Where `path` is written before the rename: a dot-name beside it, swept on resume."""
+    """Where `path` is written before the rename: a dot-name beside it (a resumed run sweeps the rows')."""
     return path.with_name(f".{path.name}.tmp")
 
 
@@ -27,10 +27,7 @@ def write_atomically(path: Path, save: Callable[[Path], None], nbytes: int = 0, 
             fsync(tmp)
         os.replace(tmp, path)
     except BaseException as exc:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         if isinstance(exc, Exception) and is_disk_full(exc):
             raise OSError(errno.ENOSPC, disk_full_message(path, nbytes)) from None
         raise
@@ -57,7 +54,8 @@ def is_disk_full(exc: Exception) -> bool:
 
 def disk_full_message(path: Path, nbytes: int) -> str:
     free = shutil.disk_usage(path.parent).free
+    needed = f"{nbytes / 2**20:.1f} MiB needed, " if nbytes else ""
     return (
-        f"disk full writing {path.name} ({nbytes / 2**20:.1f} MiB needed, {free / 2**20:.1f} MiB free): "
+        f"disk full writing {path.name} ({needed}{free / 2**20:.1f} MiB free): "
         "free space and rerun the same command to resume"
     )

@@ -72,13 +72,14 @@ class StepCapture:
     `hostmem.Rows` ([T, K, H] states, K being the slots this pipeline stage holds, and with `fp8` their
     per-token scales), which hold their host memory until dropped.
 
-    The hooks only launch work: each adds `hidden + residual` into its slot of a token-major
-    [N, K, H] step buffer on the model's device; with `fp8` the stage's last hook quantises it there (one
-    scale per token), and on a GPU copies it to pinned host memory on a side stream, so the forward pass
-    never waits for the host. Token-major means every request is a contiguous slice: nothing is re-laid
-    out on the host. A background thread waits for each step's copy, splits the step into requests and
-    hands finished requests on. Host memory is taken from `budget` for every step; when it is spent the
-    forward pass waits (back-pressure) until written rows give theirs back.
+    The hooks launch work and wait for nothing but host memory: each adds `hidden + residual` into its
+    slot of a token-major [N, K, H] step buffer on the model's device; with `fp8` the stage's last hook
+    quantises it there (one scale per token), and on a GPU copies it to pinned host memory on a side
+    stream, so the forward pass never waits for the copy. Token-major means every request is a
+    contiguous slice: nothing is re-laid out on the host. A background thread waits for each step's
+    copy, splits the step into requests and hands finished requests on. Host memory is taken from
+    `budget` for every step; when it is spent the forward pass waits (back-pressure) until written rows
+    give theirs back.
     """
 
     def __init__(
@@ -117,7 +118,7 @@ class StepCapture:
         self._thread = threading.Thread(target=self._assemble_loop, daemon=True)
         self._thread.start()
 
-    # -- hook plumbing (runs inside the forward pass: launch work, never wait) ----------
+    # -- hook plumbing (runs inside the forward pass: launch work; wait only for host memory) --
     def install(self) -> None:
         """Token ids from the embedding on the first stage, from the model's `input_ids` argument on
         later ones (their embedding is a placeholder); slot pre-hooks on this stage's layers; the
@@ -145,8 +146,8 @@ class StepCapture:
     def _to_host(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy to host memory (into `out` if given); on a GPU asynchronously, on the side stream, into
         pinned memory."""
-        if t.device.type != "cuda":
-            return t.detach().clone()
+        if t.device.type != "cuda":  # the callers' tensors are private copies already
+            return t
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=t.device)
         if out is None:
@@ -176,7 +177,11 @@ class StepCapture:
         self._pinned_rows = max(self._pinned_rows, staging.shape[0])
         nbytes = sum(self._block_bytes(t) for t in parts)
         self.budget.take(nbytes)
-        host = [self._pinned_copy(t) for t in parts]
+        try:
+            host = [self._pinned_copy(t) for t in parts]
+        except BaseException:
+            self.budget.give(nbytes)
+            raise
         return Held(self.budget, nbytes, host[0], host[1] if scales is not None else None)
 
     def _on_embed(self, module, args) -> None:

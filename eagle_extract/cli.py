@@ -229,7 +229,7 @@ def extract_command(**options):
 def merge(output):
     """Complete a sharded output once every shard (--shard I/N) has finished: write the Arrow
     dataset, token_freq.pt and the manifest. Names the shards still missing."""
-    _summarise(_run_or_fail(api.merge, output))
+    _summarise(_run_or_fail(lambda log: api.merge(output)))
 
 
 def _run_or_fail(fn, *args, **kwargs):

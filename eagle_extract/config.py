@@ -24,6 +24,26 @@ CHOICES = {  # the options that take one of a few words; the CLI offers exactly 
 }
 
 
+_TYPES = {  # what each option takes, where a wrong type would otherwise fail deep inside the run
+    **dict.fromkeys(("tp", "pp", "dp", "seq_length", "max_new_tokens", "seed", "batch_size"), (int,)),
+    **dict.fromkeys(("max_samples", "max_num_batched_tokens", "writer_threads"), (int, type(None))),
+    **dict.fromkeys(("temperature", "top_p"), (int, float)),
+    "host_memory": (int, float, type(None)),
+    **dict.fromkeys(("strict", "regenerate", "trust_remote_code", "overwrite", "check_disk"), (bool,)),
+    **dict.fromkeys(("layers", "shard", "decoder_path"), (str, type(None))),
+    **dict.fromkeys(("model", "data_format", "long_samples", "dtype", "storage_dtype", "format"), (str,)),
+    "engine_args": (dict,),
+}
+
+
+def _check_type(name: str, value) -> None:
+    types = _TYPES.get(name)
+    bad_bool = isinstance(value, bool) and bool not in (types or ())  # True is an int to Python, not here
+    if types and (not isinstance(value, types) or bad_bool):
+        wanted = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+        raise ExtractError(f"option {name}={value!r}: expected {wanted}")
+
+
 def bundled_data() -> Path:
     return Path(str(resources.files("eagle_extract") / "sample_data" / BUNDLED_DATA))
 
@@ -70,14 +90,14 @@ class ExtractConfig:
         unknown = sorted(set(options) - known)
         if unknown:
             raise ExtractError(f"unknown option {unknown[0]!r}; the options are {', '.join(sorted(known))}")
+        if isinstance(options.get("layers"), (list, tuple)):  # the API may take the ids themselves
+            options["layers"] = ",".join(map(str, options["layers"]))
+        for name, value in options.items():
+            _check_type(name, value)
         for name in ("data", "output"):
             if options.get(name) is not None:
                 options[name] = Path(options[name])
         return cls(**options)
-
-    @classmethod
-    def from_record(cls, record: dict) -> ExtractConfig:
-        return cls.from_options(**record)
 
     def record(self) -> dict:
         """Plain JSON data, as the manifest and the shard summaries hold it (never with --overwrite)."""

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 
 class ExtractError(Exception):
     """A failure the user can act on; the message is one line and names the fix."""
+
+
+@contextmanager
+def engine_errors():
+    """Inside, anything but an ExtractError is the engine's failure, said in one line."""
+    try:
+        yield
+    except ExtractError:
+        raise
+    except Exception as exc:
+        raise engine_failed(exc) from None
 
 
 def engine_failed(exc: Exception) -> ExtractError:

@@ -47,7 +47,7 @@ class BadRow(ValueError):
     """A row that cannot become a training sample; the message says why."""
 
 
-class DataError(ExtractError):
+class DataError(ExtractError, ValueError):
     """The data source as a whole is unusable."""
 
 

@@ -5,9 +5,10 @@ A step's states land in one host buffer (pinned on a GPU) and every finished req
 open when their step is assembled are copied out of the buffer (`Rows.copy`), so they never keep whole
 steps alive, and a request spread over several steps is joined into memory of its own.  Each buffer's
 bytes are taken from one `ByteBudget` when it is made and given back when the last `Rows` of it goes.
-Taking waits for room only while something that frees room without the forward pass is in flight (rows
-being written, steps waiting to be assembled), so a budget smaller than one step slows the run but never
-deadlocks it.
+Only the forward pass waits for room, and only while something that frees room without it is in flight
+(rows being written, steps waiting to be assembled); the assembly thread never waits (its copies and
+joins may pass the budget by at most one step's rows), so a budget smaller than one step slows a run
+but never deadlocks it.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ class ByteBudget:
         self.steps = 0  # steps captured and not yet assembled
         self._cond = threading.Condition()
 
-    def take(self, nbytes: int, wait_on_steps: bool = True) -> None:
-        """Count `nbytes` as held, first waiting while they do not fit and in-flight rows (and, unless
-        told otherwise, steps still to be assembled) will free room without the caller."""
+    def take(self, nbytes: int, wait: bool = True) -> None:
+        """Count `nbytes` as held; with `wait`, first wait while they do not fit and rows or steps in
+        flight will free room without the caller."""
 
         def blocked() -> bool:
-            return self.used + nbytes > self.limit and (self.rows > 0 or (wait_on_steps and self.steps > 0))
+            return wait and self.used + nbytes > self.limit and (self.rows > 0 or self.steps > 0)
 
         with self._cond:
             if blocked():
@@ -111,7 +112,11 @@ class Rows:
     def join(parts: list[Rows], budget: ByteBudget) -> Rows:
         """The parts one after another in memory of their own (also a copy of a single part)."""
         nbytes = sum(p.nbytes for p in parts)
-        budget.take(nbytes, wait_on_steps=False)  # the assembly thread itself assembles the steps
-        states = torch.cat([p.states for p in parts])
-        scales = None if parts[0].scales is None else torch.cat([p.scales for p in parts])
+        budget.take(nbytes, wait=False)  # the assembly thread: waiting here could wait on its own rows
+        try:
+            states = torch.cat([p.states for p in parts])
+            scales = None if parts[0].scales is None else torch.cat([p.scales for p in parts])
+        except BaseException:
+            budget.give(nbytes)
+            raise
         return Rows(Held(budget, nbytes, states, scales), 0, len(states))

@@ -16,7 +16,7 @@ CONVENTION = (
 )
 
 
-class LayerError(ExtractError):
+class LayerError(ExtractError, ValueError):
     pass
 
 

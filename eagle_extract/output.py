@@ -118,7 +118,10 @@ def complete(plan: Plan, samples: list[Sample], report: LoadReport, runs: list[d
     missing = sorted(set(range(len(samples))) - completed_rows(output, cfg.legacy))
     if missing:
         raise ExtractError(f"{len(missing)} rows have no hidden-state file (first: row {missing[0]}); rerun to finish")
-    write_dataset(output, [s.input_ids for s in samples], [s.loss_mask for s in samples])
+    try:
+        write_dataset(output, [s.input_ids for s in samples], [s.loss_mask for s in samples])
+    except OSError as exc:
+        raise ExtractError(f"writing the dataset files in {output}: {exc.strerror or exc}; rerun to finish") from None
     extract_s = max(r["extract_s"] for r in runs)
     manifest = {
         "format": LEGACY if cfg.legacy else "speculators-offline",
@@ -157,8 +160,11 @@ def complete(plan: Plan, samples: list[Sample], report: LoadReport, runs: list[d
         "bytes_written": sum(hidden_state_path(output, i, cfg.legacy).stat().st_size for i in range(len(samples))),
         "versions": _versions(),
     }
-    _write_skip_report(output, report)
-    write_manifest(output, manifest)
+    try:
+        _write_skip_report(output, report)
+        write_manifest(output, manifest)
+    except OSError as exc:
+        raise ExtractError(f"writing the manifest in {output}: {exc.strerror or exc}; rerun to finish") from None
     (output / shards.COMPLETING).unlink(missing_ok=True)
     return manifest
 
@@ -203,7 +209,7 @@ def merge(output: Path) -> dict:
         raise ExtractError(
             f"shard(s) {names} of {output} have not finished; run them (--shard {missing[0]}/{num}), then merge again"
         )
-    plan = make_plan(ExtractConfig.from_record({**summary["config"], "output": output}))
+    plan = make_plan(ExtractConfig.from_options(**{**summary["config"], "output": output}))
     samples, report = plan_samples(plan)
     (output / shards.COMPLETING).unlink(missing_ok=True)  # an earlier completer that died left its lock
     shards.claim_completion(output)
@@ -219,4 +225,4 @@ def reopen(output: Path, rows: list[int]) -> ExtractConfig:
         hidden_state_path(output, i, manifest["format"] == LEGACY).unlink(missing_ok=True)
     write_json(output / RUN_FILE, manifest["identity"])  # the output is an unfinished run again ...
     (output / MANIFEST).unlink()  # ... and no longer looks complete
-    return ExtractConfig.from_record({**manifest["config"], "output": output, "shard": None})
+    return ExtractConfig.from_options(**{**manifest["config"], "output": output, "shard": None})

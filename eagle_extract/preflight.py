@@ -78,8 +78,6 @@ def check_options(cfg: ExtractConfig) -> None:
             "--regenerate cannot be combined with --shard yet; regenerate in one run, or shard its "
             "regenerated.jsonl as --data"
         )
-    if cfg.dp > 1 and (cfg.shard or cfg.regenerate):
-        raise ExtractError("--dp cannot be combined with --shard or --regenerate")
     if cfg.legacy and cfg.fp8:
         raise ExtractError("--storage-dtype fp8 is not part of the legacy format; drop one of the two options")
     if cfg.seq_length < 2:

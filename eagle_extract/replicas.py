@@ -20,6 +20,7 @@ from pathlib import Path
 from .config import ExtractConfig
 from .engine import cpu_thread_binding
 from .errors import ExtractError
+from .hostmem import default_budget
 from .interrupts import stop_on_sigterm
 from .output import finish_run, merge, prepare_output
 from .plan import make_plan, plan_samples
@@ -59,6 +60,8 @@ def run_replicas(cfg: ExtractConfig, log=print) -> dict:
     from tqdm import tqdm
 
     dp = cfg.dp
+    if cfg.shard or cfg.regenerate:
+        raise ExtractError("--dp cannot be combined with --shard or --regenerate")
     plan = make_plan(cfg)  # every input check once, before any engine starts
     samples, _ = plan_samples(plan)
     output = Path(cfg.output)
@@ -69,7 +72,8 @@ def run_replicas(cfg: ExtractConfig, log=print) -> dict:
     procs = []
     try:
         for k, part in enumerate(slices):
-            config = replace(cfg, shard=f"{k}/{dp}", dp=1).record()
+            share = (cfg.host_memory or default_budget() / 2**30) / dp  # the replicas share --host-memory
+            config = replace(cfg, shard=f"{k}/{dp}", host_memory=share).record()
             cores = part.get("cores")
             with open(output / SHARDS_DIR / f"{k}-of-{dp}.log", "w") as logfile:  # the child keeps its own handle
                 procs.append(
@@ -107,7 +111,7 @@ def run_replicas(cfg: ExtractConfig, log=print) -> dict:
 def _replica(config_json: str) -> int:
     """One replica's process: the parent passes its ExtractConfig as JSON."""
     stop_on_sigterm()
-    cfg = ExtractConfig.from_record(json.loads(config_json))
+    cfg = ExtractConfig.from_options(**json.loads(config_json))
     where = os.environ.get("CUDA_VISIBLE_DEVICES") or f"CPU cores {sorted(os.sched_getaffinity(0))}"
     print(f"replica {cfg.shard} on {'GPUs ' if 'CUDA_VISIBLE_DEVICES' in os.environ else ''}{where}", flush=True)
     try:

@@ -13,7 +13,8 @@ from . import output as out
 from . import preflight, regenerate, shards
 from .config import ExtractConfig
 from .engine import start_engine
-from .errors import ExtractError, engine_failed
+from .errors import ExtractError, engine_errors
+from .hostmem import default_budget
 from .plan import Plan, make_plan, plan_samples
 from .stages import PartJoiner, check_layout
 from .watch import EngineWatch
@@ -30,16 +31,12 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     if cfg.regenerate:
         out.prepare_output(output, plan.identity, cfg.overwrite)
         t0 = time.perf_counter()
-        try:
+        with engine_errors():
             llm = start_engine(cfg, cfg.seq_length + 1)
             watch.start()
             start_s = time.perf_counter() - t0
             usable = [r for r, _, _ in plan.triples if r is not None][: cfg.max_samples]
             records, regenerated = regenerate.answers(llm, cfg, plan.tokenizer, usable, log)
-        except ExtractError:
-            raise
-        except Exception as exc:
-            raise engine_failed(exc) from None
         bad = [(None, n, why) for r, n, why in plan.triples if r is None]
         samples, report = plan_samples(plan, sorted([(r, r.row, None) for r in records] + bad, key=lambda t: t[1]))
     else:
@@ -60,16 +57,13 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         f"({free / 2**30:.1f} GiB free){resumed}"
     )
     try:
-        if llm is None:
-            t0 = time.perf_counter()
-            llm = start_engine(cfg, max(len(s.input_ids) for s in samples) + 1)  # room for the one sampled token
-            watch.start()
-            start_s = time.perf_counter() - t0
-        written, stats, extract_s = _capture(llm, plan, len(samples), todo, done)
-    except ExtractError:
-        raise
-    except Exception as exc:
-        raise engine_failed(exc) from None
+        with engine_errors():
+            if llm is None:
+                t0 = time.perf_counter()
+                llm = start_engine(cfg, max(len(s.input_ids) for s in samples) + 1)  # room for the one sampled token
+                watch.start()
+                start_s = time.perf_counter() - t0
+            written, stats, extract_s = _capture(llm, plan, len(samples), todo, done)
     finally:
         watch.stop.set()
     missing = sorted(mine - written)
@@ -117,7 +111,8 @@ def _capture(llm, plan: Plan, total: int, todo: list, done: set[int]) -> tuple[s
     from vllm import SamplingParams, TokensPrompt
 
     cfg = plan.cfg
-    host_memory = int(cfg.host_memory * 2**30) if cfg.host_memory else None
+    # --host-memory is this job's on this machine: its pipeline stages' writing ranks share it
+    host_memory = (int(cfg.host_memory * 2**30) if cfg.host_memory else default_budget()) // cfg.pp
     args = (str(cfg.output), plan.aux_ids, cfg.decoder_path, cfg.fp8, cfg.legacy, cfg.writer_threads, host_memory)
     installed = llm.collective_rpc("eagle_install", args=args)
     writers = [w for w in installed if w["writes"]]  # in rank order, as eagle_drain reports them

@@ -22,7 +22,7 @@ COMPLETING = ".completing"  # lock: one job writes the dataset files
 _SPEC = re.compile(r"^(\d+)/(\d+)$")
 
 
-class ShardError(ExtractError):
+class ShardError(ExtractError, ValueError):
     """A bad --shard value or an output whose shards do not fit together; one line."""
 
 

@@ -48,6 +48,12 @@ def test_bad_input_raises_the_clis_line(tmp_path):
         extract(seq_len=10)
     with pytest.raises(ExtractError, match="--storage-dtype fp4: choose one of model, fp8"):
         extract(data=data, output=tmp_path / "out", storage_dtype="fp4")
+    with pytest.raises(ExtractError, match="option tp='2': expected int"):
+        extract(data=data, output=tmp_path / "out", tp="2")
+    with pytest.raises(ExtractError, match="option strict=1: expected bool"):
+        extract(data=data, output=tmp_path / "out", strict=1)
+    with pytest.raises(ExtractError, match="--layers: id 99 is out of range"):  # the ids as a list
+        extract(data=data, output=tmp_path / "out", layers=[2, 99])
     assert not (tmp_path / "out").exists()
 
 

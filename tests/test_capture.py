@@ -17,6 +17,21 @@ def test_step_capture_equals_blocking_copies():
     assert rows == 12 and equal == rows
 
 
+def test_a_budget_smaller_than_one_step_slows_the_capture_but_never_stops_it():
+    """Requests split over steps are joined while earlier rows are still held: with a budget of one byte
+    every step waits for room, and the assembly thread must never wait on rows it holds itself."""
+    import threading
+
+    from eagle_extract.hostmem import ByteBudget
+
+    budget, result = ByteBudget(1), []
+    run = threading.Thread(target=lambda: result.append(capture_vs_synchronous("cpu", budget=budget)), daemon=True)
+    run.start()
+    run.join(120)
+    assert not run.is_alive(), f"capture stuck: {budget.used} bytes held, {budget.rows} rows, {budget.steps} steps"
+    assert result == [(12, 12)] and budget.waits > 0 and budget.used == 0
+
+
 def test_fp8_quantised_on_the_models_device_equals_the_hosts():
     """With --storage-dtype fp8 the capture quantises each step on the model's device (here the CPU;
     scripts/gpu_checks.py runs it on CUDA) and rows are slices of it: values and scales must be the

