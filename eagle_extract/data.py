@@ -106,7 +106,7 @@ def tokenize_record(tokenizer, record: Record) -> tuple[list[int], list[int]]:
 def row_name(source, number: int) -> str:
     """How a user finds row `number` of `source`: a line for JSONL files, an index otherwise."""
     source = os.fspath(source)
-    return f"{source} line {number + 1}" if source.endswith(".jsonl") else f"{source} row {number}"
+    return f"{source} line {number + 1}" if source.endswith((".jsonl", ".jsonl.gz")) else f"{source} row {number}"
 
 
 def read_records(path: Path, data_format: str = "auto", strict: bool = False, need_assistant: bool = True):
@@ -142,7 +142,13 @@ def make_samples(
                 raise BadRow(reason)
             if record.messages is not None and not getattr(tokenizer, "chat_template", None):
                 raise DataError("the model's tokenizer has no chat template; use a chat model or pre-tokenized rows")
-            ids, mask = tokenize_record(tokenizer, record)
+            try:
+                ids, mask = tokenize_record(tokenizer, record)
+            except BadRow:
+                raise
+            except Exception as exc:  # a chat template's own error (jinja2's, or a ValueError it raises) is the row's
+                said = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "no message"
+                raise BadRow(f"the chat template cannot render this row ({type(exc).__name__}: {said})") from None
             if len(ids) > seq_length and long_samples == "skip":
                 report.skipped_long += 1
                 raise BadRow(f"{len(ids)} tokens, longer than --seq-length {seq_length}")

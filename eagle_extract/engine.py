@@ -53,20 +53,94 @@ def prepare_environment(tp: int, pp: int, dtype: str = "auto") -> None:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp * pp))
 
 
+OWNED_ARGS = {  # engine arguments that eagle-extract's own options set
+    "model": "--model",
+    "tensor_parallel_size": "--tp",
+    "pipeline_parallel_size": "--pp",
+    "dtype": "--dtype",
+    "max_model_len": "--seq-length (the engine's length is set from the longest sample)",
+    "trust_remote_code": "--trust-remote-code",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+}
+
+
 def check_engine_args(extra: dict) -> None:
-    """Refuse engine arguments that would silently disable capture (hooks need eager mode)."""
-    clash = sorted(k for k in extra if k in FIXED_ARGS or k in {"model", "tensor_parallel_size"})
-    if clash:
+    """Refuse engine arguments that would disable capture or clash with an option, and names or values
+    vLLM would reject only once the engine starts."""
+    fixed = sorted(k for k in extra if k in FIXED_ARGS)
+    if fixed:
         raise ExtractError(
-            f"engine argument {clash[0]} is fixed by eagle-extract (hooks need eager mode, no prefix "
+            f"engine argument {fixed[0]} is fixed by eagle-extract (hooks need eager mode, no prefix "
             "caching and the worker extension); remove it"
         )
+    owned = sorted(k for k in extra if k in OWNED_ARGS)
+    if owned:
+        raise ExtractError(f"engine argument {owned[0]} is an option of eagle-extract's; pass {OWNED_ARGS[owned[0]]}")
+    if extra:
+        _check_against_vllm(extra)
+
+
+def _check_against_vllm(extra: dict) -> None:
+    """Names against vLLM's own EngineArgs and LLM parameters; values where the field's type is a plain one."""
+    import dataclasses
+    import inspect
+
+    try:
+        from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:  # a vLLM without these public names: it checks the arguments itself
+        return
+    types = {f.name: f.type for f in dataclasses.fields(EngineArgs)}
+    known = set(types) | set(inspect.signature(LLM.__init__).parameters)
+    for key, value in extra.items():
+        if key not in known:
+            raise ExtractError(
+                f"engine argument {key} is not one of this vLLM's ({_vllm_version()}) engine arguments; "
+                "`vllm serve --help` lists them (with dashes for underscores)"
+            )
+        wanted = _accepts(types.get(key), value)
+        if wanted:
+            raise ExtractError(f"engine argument {key}={value!r}: vLLM takes {wanted}")
+
+
+def _accepts(annotation, value) -> str | None:
+    """What the annotation wants, when `value` is not that; None when it fits or the type is not a plain one."""
+    import types
+    import typing
+
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    options = typing.get_args(annotation) if union else (annotation,)
+    names, literals = [], []
+    for option in options:
+        if option is type(None):
+            if value is None:
+                return None
+            names.append("null")
+        elif typing.get_origin(option) is typing.Literal:
+            literals += typing.get_args(option)
+        elif option in (int, float, bool, str):
+            fits = isinstance(value, option) and not (isinstance(value, bool) and option is not bool)
+            if fits or (option is float and isinstance(value, int) and not isinstance(value, bool)):
+                return None
+            names.append({int: "an integer", float: "a number", bool: "true or false", str: "a string"}[option])
+        else:
+            return None  # a config class, an enum, a dict: vLLM converts and checks these itself
+    if value in literals:
+        return None
+    if literals:
+        names.append("one of " + ", ".join(map(str, literals)))
+    return " or ".join(names)
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
 
 
 def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
     """vllm.LLM for `cfg`: the options that are engine arguments, --engine-arg, and FIXED_ARGS."""
-    extra = cfg.engine_kwargs()
-    check_engine_args(extra)
+    extra = cfg.engine_kwargs()  # checked by preflight.check_options
     prepare_environment(cfg.tp, cfg.pp, cfg.dtype)
     from vllm import LLM
 

@@ -1,7 +1,8 @@
 """Dataset rows in, one of three record kinds out: a conversation, token ids, or plain text.
 
-Sources: a JSON list or JSONL file, or a folder written by `datasets.save_to_disk` (which is
-also what speculators' `prepare-data` writes).  Row formats, detected per row unless forced:
+Sources: a JSON list or JSONL file (either may be gzip-compressed), a Parquet file, or a folder
+written by `datasets.save_to_disk` (which is also what speculators' `prepare-data` writes).
+Row formats, detected per row unless forced:
 
     messages   {"messages": [{"role", "content", "reasoning_content"?, "tool_calls"?}, ...]}
     sharegpt   {"conversations": [{"from", "value"}, ...]}  (role/content turns accepted too)
@@ -13,7 +14,10 @@ also what speculators' `prepare-data` writes).  Row formats, detected per row un
 
 from __future__ import annotations
 
+import codecs
+import gzip
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -79,31 +83,86 @@ def _dataset_rows(path: Path) -> Iterator[tuple[int, object]]:
         yield i, ds[i]
 
 
-def _file_rows(path: Path) -> Iterator[tuple[int, object]]:
+_BOM = b"\xef\xbb\xbf"
+_OTHER_FORMATS = {  # leading bytes of files people pass that --data cannot read, and what they are
+    b"\x28\xb5\x2f\xfd": "zstd-compressed",
+    b"BZh": "bzip2-compressed",
+    b"\xfd7zXZ\x00": "xz-compressed",
+    b"PK\x03\x04": "a zip archive",
+    b"ARROW1": "an Arrow IPC file",
+    b"\x89HDF": "an HDF5 file",
+}
+_TAKES = "--data takes JSON or JSONL (either may be gzip-compressed), Parquet, or a saved dataset folder"
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, object]]:
+    import pyarrow.parquet as pq
+
     try:
-        with path.open("rb") as f:
-            f.read(1 << 20).decode("utf-8")
+        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+        number = 0
+        for batch in batches:
+            for row in batch.to_pylist():
+                yield number, row
+                number += 1
+    except OSError as exc:  # pyarrow's ArrowInvalid is an OSError too
+        raise DataError(f"{path} is not a readable Parquet file ({str(exc).splitlines()[0]}); {_TAKES}") from None
+
+
+def _open(path: Path, gzipped: bool):
+    return gzip.open(path, "rb") if gzipped else path.open("rb")
+
+
+def _text_rows(path: Path, gzipped: bool) -> Iterator[tuple[int, object]]:
+    """JSON list or JSONL rows, UTF-8 with or without a BOM; a JSONL line that is not UTF-8 is a bad row."""
+    with _open(path, gzipped) as f:
+        head = f.read(1 << 20).removeprefix(_BOM)
+    try:  # incremental: a character cut by the 1 MiB boundary is not an error
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
     except UnicodeDecodeError:
-        raise DataError(f"{path} is not UTF-8 text; --data takes JSON, JSONL or a saved dataset folder") from None
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        head = f.read(1)
-        while head and head.isspace():
-            head = f.read(1)
-        f.seek(0)
-        if head == "[":
-            try:
-                rows = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path} is not valid JSON ({exc}); fix the file or convert it to JSONL") from None
-            yield from enumerate(rows)
-            return
+        raise DataError(f"{path} is not UTF-8 text; {_TAKES}") from None
+    if head.lstrip()[:1] == b"[":
+        with _open(path, gzipped) as f:
+            raw = f.read().removeprefix(_BOM)
+        try:
+            rows = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path} is not UTF-8 text at byte {exc.start}; convert the file to UTF-8") from None
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path} is not valid JSON ({exc}); fix the file or convert it to JSONL") from None
+        yield from enumerate(rows)
+        return
+    with _open(path, gzipped) as f:
         for number, line in enumerate(f):
+            if number == 0:
+                line = line.removeprefix(_BOM)
             if not line.strip():
                 continue
             try:
-                yield number, json.loads(line)
+                yield number, json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                yield number, BadRow(f"line is not UTF-8 text (byte {exc.start} of the line)")
             except json.JSONDecodeError as exc:
                 yield number, BadRow(f"malformed JSON line ({exc.msg} at column {exc.colno})")
+
+
+def _file_rows(path: Path) -> Iterator[tuple[int, object]]:
+    with path.open("rb") as f:
+        magic = f.read(8)
+    if magic.startswith(b"PAR1"):
+        return _parquet_rows(path)
+    what = next((name for start, name in _OTHER_FORMATS.items() if magic.startswith(start)), None)
+    if what:
+        raise DataError(f"{path} is {what}; {_TAKES}")
+    return _guard_gzip(path, _text_rows(path, gzipped=magic.startswith(b"\x1f\x8b")))
+
+
+def _guard_gzip(path: Path, rows: Iterator) -> Iterator[tuple[int, object]]:
+    """A cut or damaged .gz file is one line, wherever the damage is."""
+    try:
+        yield from rows
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise DataError(f"{path} is a damaged gzip file ({exc}); download or compress it again") from None
 
 
 def read_rows(path: Path) -> Iterator[tuple[int, object]]:
@@ -118,7 +177,7 @@ def read_rows(path: Path) -> Iterator[tuple[int, object]]:
             "pass a .json/.jsonl file or a folder written by datasets' save_to_disk"
         )
     if not path.is_file():
-        raise DataError(f"data file not found: {path}; pass an existing .json or .jsonl file to --data")
+        raise DataError(f"data file not found: {path}; pass an existing JSON, JSONL or Parquet file to --data")
     return _file_rows(path)
 
 
@@ -142,6 +201,8 @@ def row_format(row: object, forced: str = "auto") -> str:
 
 def _check_messages(messages: list[dict], need_assistant: bool) -> list[dict]:
     for m in messages:
+        if not isinstance(m["role"], str):
+            raise BadRow(f"a role is a {type(m['role']).__name__}, expected one of {', '.join(sorted(ROLES))}")
         if m["role"] not in ROLES:
             raise BadRow(f"unknown role '{m['role']}'")
         content = m.get("content")
@@ -149,6 +210,8 @@ def _check_messages(messages: list[dict], need_assistant: bool) -> list[dict]:
             raise BadRow(f"{m['role']} message content is a {type(content).__name__}, expected text")
         if not (content or "").strip() and not m.get("tool_calls") and not m.get("reasoning_content"):
             raise BadRow(f"empty {m['role']} message")
+    if messages[0]["role"] == "assistant":  # a chat template cannot render the turns before it: there are none
+        raise BadRow("the conversation starts with an assistant turn; drop it or put the user's turn first")
     if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no assistant turn; pass --regenerate to have the model write the answers")
     if not any(m["role"] == "user" for m in messages):
@@ -193,7 +256,10 @@ def conversation(row: dict, fmt: str, need_assistant: bool = True) -> list[dict]
 
 
 def _int_list(value, name: str) -> list[int]:
-    if not isinstance(value, list) or not value or not all(isinstance(v, int) and v >= 0 for v in value):
+    if isinstance(value, tuple):
+        value = list(value)
+    ints = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    if not ints or not value:
         raise BadRow(f"'{name}' is not a non-empty list of non-negative integers")
     return value
 
@@ -201,9 +267,9 @@ def _int_list(value, name: str) -> list[int]:
 def to_record(number: int, row: object, forced: str = "auto", need_assistant: bool = True) -> Record:
     fmt = row_format(row, forced)
     if fmt == "tokens":
-        ids = _int_list(list(row["input_ids"]), "input_ids")
+        ids = _int_list(row["input_ids"], "input_ids")
         mask = row.get("loss_mask")
-        mask = [1] * len(ids) if mask is None else _int_list(list(mask), "loss_mask")
+        mask = [1] * len(ids) if mask is None else _int_list(mask, "loss_mask")
         if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
             raise BadRow(f"'loss_mask' must be {len(ids)} zeros and ones, one per input id")
         return Record(number, input_ids=ids, loss_mask=mask)

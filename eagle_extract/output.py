@@ -7,11 +7,13 @@ token_freq.pt and, last, the manifest), merging shards and reopening it for a re
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
-from . import shards
+from . import lock, shards
 from .atomic import write_atomically, write_json
 from .config import LEGACY, ExtractConfig
 from .data import LoadReport, Sample
@@ -32,6 +34,11 @@ from .writer import (
 
 RUN_FILE = ".eagle_extract_run.json"  # identity of an unfinished run, for resuming
 SKIPPED = "skipped_rows.jsonl"
+LOG = "eagle_extract.log"  # the run's own log, the engine's output in it (a shard's: eagle_extract.I-of-N.log)
+
+
+def log_name(shard: tuple[int, int] | None) -> str:
+    return LOG if shard is None else f"eagle_extract.{shards.shard_name(shard)}.log"
 
 
 def run_file(shard: tuple[int, int] | None) -> str:
@@ -58,40 +65,137 @@ def _sweep(output: Path, rows: set[int] | None) -> None:
             stale.unlink(missing_ok=True)
 
 
-def prepare_output(
-    output: Path, identity: dict, overwrite: bool, shard: tuple[int, int] | None = None, rows: set[int] | None = None
-) -> set[int]:
-    """Make `output` ready; returns the rows (of `rows`, default all) an identical run already wrote."""
-    own = output / run_file(shard)
+OURS = re.compile(  # every name eagle-extract writes in an output folder
+    r"eagle_extract\.(json|log|\d+-of-\d+\.log)|\.eagle_extract.*|hidden_states|shards|\.pp_parts|\.completing|token_freq\.pt"
+    r"|skipped_rows\.jsonl|regenerated\.jsonl|data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json|\.dataset-.*"
+    r"|\.?data_\d+\.pt(\.tmp)?|\.(regenerated\.jsonl|token_freq\.pt|eagle_extract\.json)\..*\.tmp"
+)
+REPLACEMENT = ".eagle_extract_replacement"  # --overwrite of a complete output writes here, then swaps it in
+REPLACED = ".eagle_extract_replaced"  # the old output's files, during the swap
+
+
+def _ours(entry: Path) -> bool:
+    return bool(OURS.fullmatch(entry.name))
+
+
+@contextmanager
+def claimed(output: Path, shard: tuple[int, int] | None):
+    """Hold the output for one run: refused when it holds someone else's files or another run is writing it.
+    Finishes a swap an interrupted --overwrite left half done."""
+    output = Path(output)
     if output.is_dir() and any(output.iterdir()):
-        ours = (output / MANIFEST).exists() or any(output.glob(".eagle_extract_run*.json"))
-        if not ours and not (output / shards.SHARDS_DIR).is_dir():
+        marks = [output / MANIFEST, output / LOG, *output.glob(".eagle_extract*")]
+        marks += output.glob(f"{shards.SHARDS_DIR}/*-of-*")
+        if not any(m.exists() for m in marks):
             raise ExtractError(
                 f"--output {output} holds files that are not an eagle-extract output; choose an empty folder"
             )
-        if overwrite:
-            shutil.rmtree(output)
-        elif (output / MANIFEST).exists():
-            raise ExtractError(f"--output {output} already holds a complete extraction; pass --overwrite to replace it")
-        else:
-            recorded = ([json.loads(own.read_text())] if own.exists() else []) + _other_identities(output, own)
-            for previous in recorded:
-                changed = [k for k in identity if previous.get(k) != identity[k]]
-                if changed:
-                    k = changed[0]
-                    fix = "use the other shards' settings" if shard else "pass --overwrite to start over"
-                    raise ExtractError(
-                        f"--output {output} holds an unfinished run with a different {k} "
-                        f"({previous.get(k)!r}, now {identity[k]!r}); {fix}"
-                    )
-            legacy = identity.get("format") == LEGACY
-            done = completed_rows(output, legacy) if rows is None else completed_rows(output, legacy) & rows
-            _sweep(output, rows)
-            write_json(own, identity)
-            return done
     output.mkdir(parents=True, exist_ok=True)
+    with lock.holding(output, shard):
+        if (output / REPLACEMENT / MANIFEST).exists():
+            replace_complete(output / REPLACEMENT, output)
+        yield
+
+
+def identical_complete(output: Path, identity: dict, overwrite: bool) -> dict | None:
+    """The manifest of a complete output this same run already wrote (a rerun has nothing to do), None
+    when there is none or --overwrite asks to redo it; refused when the complete output is another run's."""
+    path = Path(output) / MANIFEST
+    if overwrite or not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        same = manifest["identity"] == identity
+    except (ValueError, KeyError, TypeError):
+        same, manifest = False, None
+    if not same:
+        raise ExtractError(f"--output {output} already holds a complete extraction; pass --overwrite to replace it")
+    return manifest
+
+
+def writing_folder(output: Path, identity: dict, overwrite: bool) -> Path:
+    """Where this run writes: `output`, or, when --overwrite replaces a complete output, a folder inside it
+    that is swapped in once complete, so the old output stays whole until then.  An unfinished
+    replacement with other settings is started over; one with the same settings resumes."""
+    output = Path(output)
+    if not (overwrite and (output / MANIFEST).exists()):
+        return output
+    staged = output / REPLACEMENT
+    recorded = staged / RUN_FILE
+    if staged.exists() and not (recorded.exists() and json.loads(recorded.read_text()) == identity):
+        shutil.rmtree(staged)
+    return staged
+
+
+def replace_complete(staged: Path, output: Path) -> dict:
+    """Swap a complete replacement in: the old output's files move aside (the manifest first, so the
+    folder stops looking complete), the new ones move in (its manifest last), the old ones go.
+    Each step can be redone after a crash: `claimed` finishes it."""
+    aside = output / REPLACED
+    if not aside.exists():
+        moving = Path(f"{aside}.tmp")
+        moving.mkdir(exist_ok=True)
+        old = [e for e in output.iterdir() if _ours(e) and e.name not in _KEPT and not e.name.endswith(".lock")]
+        old.sort(key=lambda e: e.name != MANIFEST)
+        for entry in old:
+            os.replace(entry, moving / entry.name)
+        os.replace(moving, aside)
+    new = [e for e in staged.iterdir() if e.name not in _KEPT and not e.name.endswith(".lock")]
+    for entry in sorted(new, key=lambda e: e.name == MANIFEST):
+        if entry.name == MANIFEST:
+            manifest = json.loads(entry.read_text())
+            manifest["config"]["output"] = str(output)
+            write_manifest(output, manifest)
+            entry.unlink()
+        else:
+            os.replace(entry, output / entry.name)
+    shutil.rmtree(aside)
+    shutil.rmtree(staged)
+    return read_manifest(output)
+
+
+_KEPT = {REPLACEMENT, REPLACED, f"{REPLACED}.tmp", LOG}  # not part of either output
+
+
+def _clear(output: Path) -> None:
+    """--overwrite of an unfinished run: its files go, nobody else's, and not the lock being held."""
+    for entry in output.iterdir():
+        if _ours(entry) and not entry.name.endswith(".lock") and entry.name != LOG:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+
+def prepare_output(
+    output: Path, identity: dict, overwrite: bool, shard: tuple[int, int] | None = None, rows: set[int] | None = None
+) -> set[int]:
+    """Make `output` (claimed) ready; returns the rows (of `rows`, default all) an identical run already wrote."""
+    own = output / run_file(shard)
+    output.mkdir(parents=True, exist_ok=True)
+    if overwrite:
+        _clear(output)
+    recorded = ([json.loads(own.read_text())] if own.exists() else []) + _other_identities(output, own)
+    for previous in recorded:
+        changed = [k for k in identity if previous.get(k) != identity[k]]
+        if changed:
+            k = changed[0]
+            fix = "use the other shards' settings" if shard else "pass --overwrite to start over"
+            raise ExtractError(
+                f"--output {output} holds an unfinished run with a different {k} "
+                f"({previous.get(k)!r}, now {identity[k]!r}); {fix}"
+            )
+    legacy = identity.get("format") == LEGACY
+    done = completed_rows(output, legacy) if rows is None else completed_rows(output, legacy) & rows
+    _sweep(output, rows)
     write_json(own, identity)
-    return set()
+    return done
+
+
+def abandon_if_empty(output: Path, shard: tuple[int, int] | None) -> None:
+    """A run that failed before writing anything leaves no record that would refuse a corrected command."""
+    from .regenerate import REGENERATED
+
+    legacy_rows = completed_rows(output, legacy=True)
+    if not completed_rows(output) and not legacy_rows and not (output / REGENERATED).exists():
+        (output / run_file(shard)).unlink(missing_ok=True)
 
 
 def finish_run(output: Path, shard: tuple[int, int] | None) -> None:

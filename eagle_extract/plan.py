@@ -42,8 +42,6 @@ class Plan:
 
 def make_plan(cfg: ExtractConfig) -> Plan:
     """Every input check, in the order a user would fix them; `cfg` must be resolved()."""
-    from transformers import AutoTokenizer
-
     preflight.check_options(cfg)
     shard = shards.parse_shard(cfg.shard)
     shape = preflight.read_model_shape(cfg.model, cfg.trust_remote_code)
@@ -53,8 +51,9 @@ def make_plan(cfg: ExtractConfig) -> Plan:
     preflight.check_pp(cfg.pp, shape)
     if cfg.regenerate:
         preflight.check_regenerate_room(cfg.seq_length, shape)
+    preflight.check_weights(cfg)
     preflight.check_output_writable(cfg.output)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = preflight.load_tokenizer(cfg)
     triples = list(read_records(cfg.data, cfg.data_format, cfg.strict, need_assistant=not cfg.regenerate))
     return Plan(cfg, shape, aux_ids, tokenizer, triples, identity(cfg, shape, aux_ids), shard)
 

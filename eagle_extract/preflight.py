@@ -6,13 +6,14 @@ disk space.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import CHOICES, ExtractConfig
-from .engine import check_engine_args, on_gpu
+from .engine import check_engine_args, on_gpu, prepare_environment
 from .errors import ExtractError
 
 
@@ -57,16 +58,64 @@ def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
     )
 
 
+_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+
+
+def check_weights(cfg: ExtractConfig) -> None:
+    """A checkpoint folder without its weights fails deep inside vLLM, three tracebacks later: say so first."""
+    folder = Path(cfg.model)
+    if not folder.is_dir() or cfg.engine_args.get("load_format") == "dummy":
+        return
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as exc:
+            raise ExtractError(f"--model {folder}: {index.name} is unreadable ({exc}); download it again") from None
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ExtractError(
+                f"--model {folder}: {len(missing)} of the {len(names)} weight files its {index.name} lists are "
+                f"missing (first: {missing[0]}); finish downloading the checkpoint"
+            )
+    elif not any(any(folder.glob(pattern)) for pattern in _WEIGHTS):
+        raise ExtractError(
+            f"--model {folder}: no weights (*.safetensors, *.bin, *.pt, *.gguf) in the folder; download them, "
+            "or pass --engine-arg load_format=dummy for random weights"
+        )
+
+
+def load_tokenizer(cfg: ExtractConfig):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    except Exception as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        said = lines[-1][:200] if lines else type(exc).__name__
+        raise ExtractError(
+            f"--model {cfg.model}: cannot load its tokenizer ({type(exc).__name__}: {said}); the folder needs the "
+            "model's tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json)"
+        ) from None
+
+
 def check_options(cfg: ExtractConfig) -> None:
     """Options out of their range, or contradicting each other, whatever the model."""
     for name, choices in CHOICES.items():
         if getattr(cfg, name) not in choices:
             raise ExtractError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: choose one of {', '.join(choices)}")
-    for name in ("dp", "writer_threads"):
+    for name in ("dp", "writer_threads", "batch_size", "max_samples", "max_num_batched_tokens", "max_new_tokens"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
-            raise ExtractError(f"--{name.replace('_', '-')} must be at least 1")
+            raise ExtractError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
+    if cfg.layers is not None and not cfg.layers.strip():
+        raise ExtractError("--layers is empty; give comma-separated ids like 2,15,27, or leave it out for the defaults")
+    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
+        raise ExtractError(
+            f"--temperature {cfg.temperature} --top-p {cfg.top_p}: need temperature >= 0 and top-p in (0, 1]"
+        )
     if cfg.host_memory is not None and cfg.host_memory <= 0:
         raise ExtractError(f"--host-memory {cfg.host_memory}: give the GiB of host memory captured states may hold")
+    prepare_environment(cfg.tp, cfg.pp, cfg.dtype)  # before the check below imports vLLM, which reads it
     check_engine_args(cfg.engine_args)
     if cfg.shard and cfg.overwrite:
         raise ExtractError(

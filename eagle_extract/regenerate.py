@@ -15,6 +15,7 @@ from pathlib import Path
 from .atomic import write_atomically
 from .config import ExtractConfig
 from .formats import Record
+from .runlog import progress
 
 REGENERATED = "regenerated.jsonl"  # the conversations as the model answered them, beside the output
 
@@ -52,7 +53,6 @@ def answers(llm, cfg: ExtractConfig, tokenizer, records: list[Record], log) -> t
 
 def regenerate(llm, tokenizer, records: list[Record], cfg: ExtractConfig) -> tuple[list[Record], RegenerateStats]:
     """Records with every assistant turn written by the model, sampled as `cfg` says; other rows pass through."""
-    from tqdm import tqdm
     from vllm import SamplingParams, TokensPrompt
 
     stats = RegenerateStats()
@@ -65,7 +65,7 @@ def regenerate(llm, tokenizer, records: list[Record], cfg: ExtractConfig) -> tup
     stats.conversations = len(todo)
     done: dict[int, list[dict]] = {}
     total = sum(sum(m["role"] == "user" for m in turns) for turns, _ in todo.values())
-    with tqdm(total=total, unit="answer", desc="regenerate", dynamic_ncols=True) as bar:
+    with progress(total, "regenerate", "answer") as bar:
         while todo:
             prompts, owners = [], []
             for i, (turns, convo) in list(todo.items()):

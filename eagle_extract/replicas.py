@@ -22,9 +22,11 @@ from .engine import cpu_thread_binding
 from .errors import ExtractError
 from .hostmem import default_budget
 from .interrupts import stop_on_sigterm
-from .output import finish_run, merge, prepare_output
+from .lock import REPLICA_ENV
+from .output import claimed, finish_run, identical_complete, merge, prepare_output, replace_complete, writing_folder
 from .plan import make_plan, plan_samples
 from .run import run
+from .runlog import progress
 from .shards import SHARDS_DIR
 from .writer import MANIFEST, completed_rows, read_manifest
 
@@ -57,8 +59,6 @@ def _last_line(path: Path) -> str:
 
 def run_replicas(cfg: ExtractConfig, log=print) -> dict:
     """`cfg.dp` replicas of `cfg` (resolved), each a shard; returns the completed output's manifest."""
-    from tqdm import tqdm
-
     dp = cfg.dp
     if cfg.shard or cfg.regenerate:
         raise ExtractError("--dp cannot be combined with --shard or --regenerate")
@@ -66,27 +66,40 @@ def run_replicas(cfg: ExtractConfig, log=print) -> dict:
     samples, _ = plan_samples(plan)
     output = Path(cfg.output)
     slices = device_slices(dp, cfg.tp, cfg.pp)
-    prepare_output(output, plan.identity, cfg.overwrite)  # clears the folder once when asked to
-    finish_run(output, None)
+    with claimed(output, None):  # the replicas hold their shards' locks under this one
+        manifest = identical_complete(output, plan.identity, cfg.overwrite)
+        if manifest:
+            log(f"{output} is already complete: this same extraction wrote it (check it with `eagle-extract verify`)")
+            return manifest
+        target = writing_folder(output, plan.identity, cfg.overwrite)
+        prepare_output(target, plan.identity, cfg.overwrite and target == output)  # clears the folder once when asked
+        finish_run(target, None)
+        _run_replicas(replace(cfg, output=target), slices, len(samples), log)
+        manifest = read_manifest(target) if (target / MANIFEST).exists() else merge(target)
+        return replace_complete(target, output) if target != output else manifest
+
+
+def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log) -> None:
+    dp, output = cfg.dp, Path(cfg.output)
     (output / SHARDS_DIR).mkdir(exist_ok=True)
     procs = []
     try:
         for k, part in enumerate(slices):
             share = (cfg.host_memory or default_budget() / 2**30) / dp  # the replicas share --host-memory
-            config = replace(cfg, shard=f"{k}/{dp}", host_memory=share).record()
+            config = replace(cfg, shard=f"{k}/{dp}", host_memory=share, overwrite=False).record()
             cores = part.get("cores")
             with open(output / SHARDS_DIR / f"{k}-of-{dp}.log", "w") as logfile:  # the child keeps its own handle
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "eagle_extract.replicas", json.dumps(config)],
-                        env={**os.environ, **part["env"], "TQDM_DISABLE": "1"},
+                        env={**os.environ, **part["env"], "TQDM_DISABLE": "1", REPLICA_ENV: str(os.getpid())},
                         stdout=logfile,
                         stderr=subprocess.STDOUT,
                         preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)) if cores else None,
                     )
                 )
         log(f"{dp} replicas started ({', '.join(str(p.pid) for p in procs)}); logs in {output / SHARDS_DIR}")
-        with tqdm(total=len(samples), unit="sample", desc=f"extract x{dp}", dynamic_ncols=True) as bar:
+        with progress(total, f"extract x{dp}", "row") as bar:
             while True:
                 bar.update(len(completed_rows(output, cfg.legacy)) - bar.n)
                 failed = [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]
@@ -105,7 +118,6 @@ def run_replicas(cfg: ExtractConfig, log=print) -> dict:
                 p.send_signal(signal.SIGTERM)
         for p in procs:
             p.wait()
-    return read_manifest(output) if (output / MANIFEST).exists() else merge(output)
 
 
 def _replica(config_json: str) -> int:

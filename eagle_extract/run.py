@@ -7,6 +7,7 @@ output (or this shard of it).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from . import output as out
@@ -16,6 +17,7 @@ from .engine import start_engine
 from .errors import ExtractError, engine_errors
 from .hostmem import default_budget
 from .plan import Plan, make_plan, plan_samples
+from .runlog import RunLog, progress
 from .stages import PartJoiner, check_layout
 from .watch import EngineWatch
 from .writer import completed_rows
@@ -26,9 +28,47 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     when the output is complete, else this shard's summary (with "complete": False)."""
     plan = make_plan(cfg)
     output = Path(cfg.output)
+    rows = None if cfg.regenerate else _sized(plan, *plan_samples(plan))  # before anything is created
+    with out.claimed(output, plan.shard):
+        manifest = out.identical_complete(output, plan.identity, cfg.overwrite)
+        if manifest:
+            log(f"{output} is already complete: this same extraction wrote it (check it with `eagle-extract verify`)")
+            return manifest
+        target = out.writing_folder(output, plan.identity, cfg.overwrite)
+        staged = replace(cfg, output=target, overwrite=cfg.overwrite and target == output)
+        log_path = output / out.log_name(plan.shard)
+        try:
+            with RunLog(log_path, log) as run_log:
+                result = _extract(replace(plan, cfg=staged), rows, run_log)
+        except ExtractError as exc:
+            raise ExtractError(f"{exc} (the run's log: {log_path})") from None
+        return out.replace_complete(target, output) if target != output else result
+
+
+def _sized(plan: Plan, samples: list, report) -> tuple:
+    """The rows, this job's share of them, and the disk check: rows a resumable run already wrote need no room."""
+    cfg = plan.cfg
+    mine = {i for i, s in enumerate(samples) if shards.owns(plan.shard, s.row)}
+    already = set() if cfg.overwrite else completed_rows(Path(cfg.output), cfg.legacy)
+    todo_tokens = sum(len(samples[i].input_ids) for i in mine - already)
+    expected_bytes, free = preflight.check_disk(cfg, todo_tokens, plan.bytes_per_token())
+    return samples, report, mine, todo_tokens, expected_bytes, free
+
+
+def _extract(plan: Plan, rows: tuple | None, run_log: RunLog) -> dict:
+    """The run itself, into `plan.cfg.output` (claimed); `rows` from _sized, None when --regenerate makes them."""
+    try:
+        return _extract_rows(plan, rows, run_log)
+    except BaseException:
+        out.abandon_if_empty(Path(plan.cfg.output), plan.shard)
+        raise
+
+
+def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog) -> dict:
+    cfg, output, log = plan.cfg, Path(plan.cfg.output), run_log.say
     llm, start_s, regenerated = None, 0.0, None
     watch = EngineWatch()
-    if cfg.regenerate:
+    if rows is None:
         out.prepare_output(output, plan.identity, cfg.overwrite)
         t0 = time.perf_counter()
         with engine_errors():
@@ -38,14 +78,9 @@ def run(cfg: ExtractConfig, log=print) -> dict:
             usable = [r for r, _, _ in plan.triples if r is not None][: cfg.max_samples]
             records, regenerated = regenerate.answers(llm, cfg, plan.tokenizer, usable, log)
         bad = [(None, n, why) for r, n, why in plan.triples if r is None]
-        samples, report = plan_samples(plan, sorted([(r, r.row, None) for r in records] + bad, key=lambda t: t[1]))
-    else:
-        samples, report = plan_samples(plan)
-    mine = {i for i, s in enumerate(samples) if shards.owns(plan.shard, s.row)}
-    # Size check before anything is created: rows a resumable run already wrote need no room.
-    already = set() if cfg.overwrite else completed_rows(output, cfg.legacy)
-    todo_tokens = sum(len(samples[i].input_ids) for i in mine - already)
-    expected_bytes, free = preflight.check_disk(cfg, todo_tokens, plan.bytes_per_token())
+        triples = sorted([(r, r.row, None) for r in records] + bad, key=lambda t: t[1])
+        rows = _sized(plan, *plan_samples(plan, triples))
+    samples, report, mine, todo_tokens, expected_bytes, free = rows
     fresh = cfg.overwrite and not cfg.regenerate  # a regenerating run prepared (and cleared) the folder already
     done = out.prepare_output(output, plan.identity, fresh, plan.shard, mine)
     todo = [(i, samples[i]) for i in sorted(mine - done)]
@@ -63,9 +98,10 @@ def run(cfg: ExtractConfig, log=print) -> dict:
                 llm = start_engine(cfg, max(len(s.input_ids) for s in samples) + 1)  # room for the one sampled token
                 watch.start()
                 start_s = time.perf_counter() - t0
-            written, stats, extract_s = _capture(llm, plan, len(samples), todo, done)
+            written, stats, extract_s = _capture(llm, plan, len(samples), todo, done, run_log.note)
     finally:
         watch.stop.set()
+        llm = None  # the engine stops now, into the run's log (frames vLLM's imports keep alive would hold it)
     missing = sorted(mine - written)
     if missing:
         raise ExtractError(
@@ -105,9 +141,9 @@ def _drain(llm, wait: bool) -> dict:
     }
 
 
-def _capture(llm, plan: Plan, total: int, todo: list, done: set[int]) -> tuple[set[int], dict, float]:
-    """Stream the rows still to do through the engine; returns (rows written, capture stats, seconds)."""
-    from tqdm import tqdm
+def _capture(llm, plan: Plan, total: int, todo: list, done: set[int], note) -> tuple[set[int], dict, float]:
+    """Stream the rows still to do through the engine; returns (rows written, capture stats, seconds).
+    `note` puts each batch's counts in the run's log."""
     from vllm import SamplingParams, TokensPrompt
 
     cfg = plan.cfg
@@ -140,18 +176,22 @@ def _capture(llm, plan: Plan, total: int, todo: list, done: set[int]) -> tuple[s
     params = SamplingParams(max_tokens=1, temperature=0.0)
     written = set(done)
     t1 = time.perf_counter()
-    with tqdm(total=total, initial=len(done), unit="sample", desc="extract", dynamic_ncols=True) as bar:
-        done_tokens = 0
+    with progress(total, "extract", "row", initial=len(done)) as bar:
+        done_tokens, handed = 0, len(done)
         for batch in _batches(todo, cfg.batch_size):
             masks = [(i, s.loss_mask) for i, s in batch] if cfg.legacy else None
             llm.collective_rpc("eagle_expect", args=([(i, s.input_ids) for i, s in batch], masks))
             llm.generate([TokensPrompt(prompt_token_ids=s.input_ids) for _, s in batch], params, use_tqdm=False)
             record(_drain(llm, wait=False))
+            handed += len(batch)
             done_tokens += sum(len(s.input_ids) for _, s in batch)
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t1):,.0f}")
+            rate = f"{done_tokens / (time.perf_counter() - t1):,.0f}"
+            bar.update(len(written) - bar.n)  # rows on the disk, not rows handed to the engine
+            bar.set_postfix(tok_s=rate)
+            note(f"{len(written)}/{total} rows written ({handed} handed to the engine), {rate} tok/s")
         got = _drain(llm, wait=True)
         record(got, last=True)
+        bar.update(len(written) - bar.n)
     extract_s = time.perf_counter() - t1
     llm.collective_rpc("eagle_remove")
     where = {

@@ -4,7 +4,9 @@ With `--pp N` every stage's writing rank hooks only its own layers and writes th
 holds to OUT/.pp_parts/layers_{start}-{end}/hidden_states/hs_{i}.safetensors.  Once every stage
 has written a row, the driver joins the parts into the row's final file (in the requested
 storage format) and deletes them, so the output is laid out exactly as a one-stage run's and a
-final name still only ever holds a whole row.
+final name still only ever holds a whole row.  Part files record their slots' layer ids and a
+checksum as rows do (writer.py): the joiner checks each part against its checksum and records the
+parts' layer ids, in slot order, in the joined row.
 """
 
 from __future__ import annotations
@@ -15,9 +17,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from .writer import HIDDEN_DIR, hidden_state_path, write_hidden_states, write_legacy
+from .writer import (
+    HIDDEN_DIR,
+    LAYER_IDS,
+    changed_since_written,
+    hidden_state_path,
+    read_row,
+    write_hidden_states,
+    write_legacy,
+)
 
 PARTS_DIR = ".pp_parts"
 
@@ -52,9 +61,15 @@ def check_layout(writers: list[dict], num_layers: int, num_slots: int) -> None:
 def join_row(output: Path, index: int, parts: list[tuple[Path, list[int]]], fp8: bool, legacy_mask) -> None:
     """Write row `index` from its stage parts, then delete them.  `legacy_mask` (a loss mask)
     selects speculators 0.3/0.4's format, else `fp8` picks the storage dtype."""
-    pieces = []
+    pieces, layer_ids = [], {}
     for root, slots in parts:
-        tensors = load_file(str(hidden_state_path(root, index)))
+        tensors, meta = read_row(hidden_state_path(root, index))
+        if changed_since_written(tensors, meta):
+            raise ValueError(
+                f"row {index}: its part in {root} changed since it was written (checksum); rerun to redo it"
+            )
+        if LAYER_IDS in meta:
+            layer_ids.update(zip(slots, map(int, meta[LAYER_IDS].split(",")), strict=True))
         pieces.append((slots, tensors["hidden_states"], tensors["token_ids"]))
     token_ids = pieces[0][2]
     if any(not torch.equal(ids, token_ids) for _, _, ids in pieces):
@@ -64,10 +79,12 @@ def join_row(output: Path, index: int, parts: list[tuple[Path, list[int]]], fp8:
     hidden = torch.empty((first.shape[0], num_slots, first.shape[2]), dtype=first.dtype)
     for slots, part, _ in pieces:
         hidden[:, slots] = part
+    # parts that record no layer ids (a writer not told them) make a row without them
+    ids = [layer_ids[k] for k in range(num_slots)] if len(layer_ids) == num_slots else None
     if legacy_mask is not None:
-        write_legacy(output, index, hidden, token_ids.tolist(), legacy_mask)
+        write_legacy(output, index, hidden, token_ids.tolist(), legacy_mask, ids)
     else:
-        write_hidden_states(output, index, hidden, token_ids.tolist(), fp8)
+        write_hidden_states(output, index, hidden, token_ids.tolist(), fp8, layer_ids=ids)
     for root, _ in parts:
         hidden_state_path(root, index).unlink()
 

@@ -8,6 +8,20 @@
 With `--format speculators-legacy` (speculators 0.3/0.4) each row is instead DIR/data_{i}.pt,
 a torch.save'd {"input_ids", "hidden_states": [K tensors of [T, H]], "loss_mask"}.
 
+Every row records what `verify` needs to see that it changed or belongs to other layers: in
+hs_{i}.safetensors' header metadata (which speculators and safetensors' load_file ignore), in
+data_{i}.pt under the key "eagle_extract" (speculators 0.3/0.4 read only the three keys above), two
+strings:
+
+    slot_layer_ids   each slot's layer id in vLLM's convention (layers.py), "2,15,27,30": the
+                     final slot is num_hidden_layers; data_{i}.pt too (not its legacy numbering)
+    checksum         "xxh3_128:<hex>" of the slot_layer_ids string, then of each tensor's raw bytes
+                     in the order of the tensors' names (data_{i}.pt: "hidden_states.{k}" per slot)
+
+The bytes hashed are those the file holds, so `verify` hashes the tensors it reads anyway.  xxh3-128
+hashes about 14 GB/s on one core here and releases the GIL, so writer threads hash in parallel, far
+faster than a disk writes.  A hand-edit of a row's layer ids breaks its checksum.
+
 Every file is written under a dot-prefixed temporary name and renamed into place, so a
 crash never leaves a partial file under a final name.
 """
@@ -25,13 +39,59 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+import xxhash
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .atomic import fsync, write_atomically, write_json
+from .errors import ExtractError
 from .fp8 import SCALES, to_fp8
 
 HIDDEN_DIR = "hidden_states"
 MANIFEST = "eagle_extract.json"
+LAYER_IDS = "slot_layer_ids"  # row metadata keys
+CHECKSUM = "checksum"
+LEGACY_RECORD = "eagle_extract"  # data_{i}.pt's key for the row metadata
+
+
+class ManifestError(ExtractError, ValueError):
+    pass
+
+
+def layer_ids_text(layer_ids: list[int]) -> str:
+    return ",".join(map(str, layer_ids))
+
+
+def checksum(tensors: dict[str, torch.Tensor], layer_ids: str) -> str:
+    """xxh3-128 of `layer_ids` and the tensors' bytes in name order, read in place (no copy)."""
+    digest = xxhash.xxh3_128(layer_ids.encode())
+    for name in sorted(tensors):
+        digest.update(tensors[name].reshape(-1).view(torch.uint8).numpy())
+    return f"xxh3_128:{digest.hexdigest()}"
+
+
+def row_metadata(tensors: dict[str, torch.Tensor], layer_ids: list[int] | None) -> dict[str, str]:
+    """What a row records about itself; without `layer_ids` (a writer not told them) the checksum only."""
+    ids = "" if layer_ids is None else layer_ids_text(layer_ids)
+    meta = {CHECKSUM: checksum(tensors, ids)}
+    if layer_ids is not None:
+        meta[LAYER_IDS] = ids
+    return meta
+
+
+def changed_since_written(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str | None:
+    """The checksum the data gives now, when it is not the recorded one; None when it is, or when the
+    row records none (written by an eagle-extract before checksums)."""
+    if CHECKSUM not in metadata:
+        return None
+    now = checksum(tensors, metadata.get(LAYER_IDS, ""))
+    return None if now == metadata[CHECKSUM] else now
+
+
+def read_row(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A hs_{i}.safetensors file's tensors and metadata, from one read of the file."""
+    with safe_open(str(path), "pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
 
 
 def hidden_state_path(output: Path, index: int, legacy: bool = False) -> Path:
@@ -41,10 +101,17 @@ def hidden_state_path(output: Path, index: int, legacy: bool = False) -> Path:
 
 
 def write_hidden_states(
-    output: Path, index: int, hidden: torch.Tensor, token_ids: list[int], fp8: bool = False, scales=None
+    output: Path,
+    index: int,
+    hidden: torch.Tensor,
+    token_ids: list[int],
+    fp8: bool = False,
+    scales=None,
+    layer_ids: list[int] | None = None,
 ) -> None:
     """Write one row's file: in the model dtype, already quantised (`scales` given: the capture
-    quantised on the model's device), or (fp8) quantised here with per-token scales."""
+    quantised on the model's device), or (fp8) quantised here with per-token scales; `layer_ids`
+    (one per slot) and the checksum go into its metadata."""
     tensors = {"token_ids": torch.tensor(token_ids, dtype=torch.int64)}
     if scales is not None:
         tensors["hidden_states"], tensors[SCALES] = hidden.contiguous(), scales.contiguous()
@@ -53,16 +120,32 @@ def write_hidden_states(
     else:
         tensors["hidden_states"] = hidden.contiguous()
     nbytes = sum(t.nbytes for t in tensors.values())
-    write_atomically(hidden_state_path(output, index), lambda tmp: save_file(tensors, str(tmp)), nbytes, durable=True)
+    meta = row_metadata(tensors, layer_ids)
+    path = hidden_state_path(output, index)
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), nbytes, durable=True)
 
 
-def write_legacy(output: Path, index: int, hidden: torch.Tensor, token_ids: list[int], loss_mask: list[int]) -> None:
+def legacy_tensors(sample: dict) -> dict[str, torch.Tensor]:
+    """A data_{i}.pt sample's tensors by name, as its checksum covers them."""
+    slots = {f"hidden_states.{k}": t for k, t in enumerate(sample["hidden_states"])}
+    return {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"], **slots}
+
+
+def write_legacy(
+    output: Path,
+    index: int,
+    hidden: torch.Tensor,
+    token_ids: list[int],
+    loss_mask: list[int],
+    layer_ids: list[int] | None = None,
+) -> None:
     """Write one row as speculators 0.3/0.4's data_{i}.pt: one [T, H] tensor per slot."""
     sample = {
         "input_ids": torch.tensor(token_ids, dtype=torch.long),
         "hidden_states": [hidden[:, k].clone() for k in range(hidden.shape[1])],
         "loss_mask": torch.tensor(loss_mask, dtype=torch.long),
     }
+    sample[LEGACY_RECORD] = row_metadata(legacy_tensors(sample), layer_ids)
     write_atomically(hidden_state_path(output, index, True), lambda tmp: torch.save(sample, tmp), hidden.nbytes, True)
 
 
@@ -78,6 +161,7 @@ class BackgroundWriter:
 
     Each queued row holds its host memory until written; the capture's byte budget (hostmem.py), not
     this queue, bounds how much that is, and makes the forward pass wait when the disk falls behind.
+    `layer_ids` are the layer ids of the slots the rows hold, recorded in every file.
     """
 
     def __init__(
@@ -86,10 +170,12 @@ class BackgroundWriter:
         fp8: bool = False,
         legacy: bool = False,
         threads: int | None = None,
+        layer_ids: list[int] | None = None,
     ) -> None:
         self.output = Path(output)
         self.fp8 = fp8
         self.legacy = legacy
+        self.layer_ids = layer_ids
         self.loss_masks: dict[int, list[int]] = {}  # legacy files carry the mask; filled by the driver
         (self.output / HIDDEN_DIR).mkdir(parents=True, exist_ok=True)
         self._queue: queue.Queue = queue.Queue()
@@ -126,9 +212,9 @@ class BackgroundWriter:
             if self.legacy:
                 with self._lock:
                     mask = self.loss_masks.pop(index)
-                write_legacy(self.output, index, rows.states, token_ids, mask)
+                write_legacy(self.output, index, rows.states, token_ids, mask, self.layer_ids)
             else:
-                write_hidden_states(self.output, index, rows.states, token_ids, self.fp8, rows.scales)
+                write_hidden_states(self.output, index, rows.states, token_ids, self.fp8, rows.scales, self.layer_ids)
         except Exception as exc:  # reported to the driver by drain()
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             with self._lock:
@@ -204,4 +290,15 @@ def write_manifest(output: Path, manifest: dict) -> None:
 
 
 def read_manifest(output: Path) -> dict:
-    return json.loads((Path(output) / MANIFEST).read_text())
+    """The manifest as a JSON object; a damaged or hand-broken one raises ManifestError (one line)."""
+    path = Path(output) / MANIFEST
+    fix = "restore it from a copy, or rerun the extraction with --overwrite"
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"{path} is not valid JSON ({exc.msg}, line {exc.lineno} col {exc.colno}): {fix}") from None
+    except UnicodeDecodeError:
+        raise ManifestError(f"{path} is not text: {fix}") from None
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"{path} is JSON but not an object: {fix}")
+    return manifest

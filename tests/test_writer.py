@@ -13,7 +13,11 @@ from safetensors.torch import load_file
 from eagle_extract import writer
 from eagle_extract.writer import (
     BackgroundWriter,
+    changed_since_written,
+    checksum,
     hidden_state_path,
+    legacy_tensors,
+    read_row,
     write_hidden_states,
 )
 
@@ -26,6 +30,40 @@ def test_file_round_trip(tmp_path):
     assert torch.equal(got["hidden_states"], hidden)
     assert got["token_ids"].dtype == torch.int64 and got["token_ids"].tolist() == [1, 2, 3, 4, 5]
     assert [p.name for p in (tmp_path / "hidden_states").iterdir()] == ["hs_3.safetensors"]
+
+
+def test_every_changed_data_byte_breaks_the_checksum(tmp_path):
+    (tmp_path / "hidden_states").mkdir()
+    write_hidden_states(tmp_path, 0, torch.randn(3, 2, 4).to(torch.bfloat16), [1, 2, 3], layer_ids=[2, 6])
+    path = hidden_state_path(tmp_path, 0)
+    tensors, meta = read_row(path)
+    assert meta == {"slot_layer_ids": "2,6", "checksum": checksum(tensors, "2,6")}
+    assert changed_since_written(tensors, meta) is None
+    raw = path.read_bytes()
+    data = 8 + int.from_bytes(raw[:8], "little")
+    assert len(raw) - data == 3 * 2 * 4 * 2 + 3 * 8  # the data section: hidden_states, then token_ids
+    for at in range(data, len(raw)):
+        path.write_bytes(raw[:at] + bytes([raw[at] ^ 0x80]) + raw[at + 1 :])
+        assert changed_since_written(*read_row(path)), at
+
+
+def test_background_writer_records_the_layer_ids_in_both_formats(tmp_path):
+    states = torch.randn(3, 3, 4).to(torch.bfloat16)
+    bg = BackgroundWriter(tmp_path / "a", threads=2, layer_ids=[2, 5, 8])
+    bg.submit(0, _rows(states), [1, 2, 3])
+    assert bg.drain()["written"] == [0]
+    bg.close()
+    tensors, meta = read_row(hidden_state_path(tmp_path / "a", 0))
+    assert meta["slot_layer_ids"] == "2,5,8" and changed_since_written(tensors, meta) is None
+    bg = BackgroundWriter(tmp_path / "b", legacy=True, threads=1, layer_ids=[2, 5, 8])
+    bg.expect_loss_masks([(0, [0, 1, 1])])
+    bg.submit(0, _rows(states), [1, 2, 3])
+    assert bg.drain()["written"] == [0]
+    bg.close()
+    sample = torch.load(hidden_state_path(tmp_path / "b", 0, legacy=True), weights_only=True)
+    record = sample["eagle_extract"]  # speculators 0.3/0.4 take only input_ids, hidden_states and loss_mask
+    assert record["slot_layer_ids"] == "2,5,8" and changed_since_written(legacy_tensors(sample), record) is None
+    assert all(torch.equal(sample["hidden_states"][k], states[:, k]) for k in range(3))
 
 
 def _disk_full(tensors, filename, metadata=None):
