@@ -11,6 +11,7 @@ from . import api
 from .config import CHOICES, ExtractConfig
 from .errors import ExtractError
 from .interrupts import stop_on_sigterm
+from .writer import MANIFEST
 
 D = ExtractConfig()  # the defaults, shared with the API
 
@@ -285,11 +286,18 @@ def verify(output, repair):
     and dtypes as the manifest says, token_ids equal to input_ids, no NaN or Inf, token_freq.pt
     consistent. Exits 1 and lists the problems when there are any."""
     report = api.verify(output, progress=True)
-    for row, why in report.problems:
-        click.echo(f"{'row ' + str(row) if row is not None else 'output'}: {why}", err=True)
     if report.ok:
         click.echo(f"ok: {output} passes every check")
         return
+    whole = [why for row, why in report.problems if row is None]
+    if not (output / MANIFEST).exists():  # nothing to repair from: the one problem says what to do
+        raise click.ClickException(whole[0])
+    for row, why in report.problems:
+        click.echo(f"{'row ' + str(row) if row is not None else 'output'}: {why}", err=True)
+    if whole:  # --repair rewrites rows from the manifest; it cannot vouch for the manifest itself
+        raise click.ClickException(
+            f"{len(report.problems)} problem(s) in {output}, first: {whole[0]}; rerun the extraction with --overwrite"
+        )
     if not repair:
         raise click.ClickException(
             f"{len(report.problems)} problem(s) in {output}; `eagle-extract verify --repair {output}` fixes them"

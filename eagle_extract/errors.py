@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 
 
 class ExtractError(Exception):
@@ -11,13 +12,27 @@ class ExtractError(Exception):
 
 @contextmanager
 def engine_errors():
-    """Inside, anything but an ExtractError is the engine's failure, said in one line."""
+    """Inside, anything but an ExtractError is the engine's failure, or (raised in eagle-extract's own
+    code) eagle-extract's bug, said in one line; the traceback stays chained for the run's log."""
     try:
         yield
     except ExtractError:
         raise
     except Exception as exc:
-        raise engine_failed(exc) from None
+        if _raised_in_eagle_extract(exc):
+            said = " ".join(str(exc).split())[:400] or "no message"
+            raise ExtractError(
+                f"eagle-extract failed ({type(exc).__name__}: {said}): a bug, please report it with the traceback "
+                "in the run's log; every completed row is kept, and rerunning the same command resumes"
+            ) from exc
+        raise engine_failed(exc) from exc
+
+
+def _raised_in_eagle_extract(exc: Exception) -> bool:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).parent == Path(__file__).parent
 
 
 def engine_failed(exc: Exception) -> ExtractError:

@@ -96,6 +96,7 @@ _TAKES = "--data takes JSON or JSONL (either may be gzip-compressed), Parquet, o
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, object]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
@@ -105,7 +106,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, object]]:
             for row in batch.to_pylist():
                 yield number, row
                 number += 1
-    except OSError as exc:  # pyarrow's ArrowInvalid is an OSError too
+    except (OSError, pa.ArrowException) as exc:
         raise DataError(f"{path} is not a readable Parquet file ({str(exc).splitlines()[0]}); {_TAKES}") from None
 
 

@@ -40,13 +40,14 @@ def _holder(path: Path) -> str:
 def _flock(path: Path, exclusive: bool, output: Path):
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ExtractError(
-                f"--output {output} is being written by another eagle-extract run ({_holder(path)}); "
-                "wait for it to finish, or stop it and rerun this command to resume"
-            ) from None
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ExtractError(
+            f"--output {output} is being written by another eagle-extract run ({_holder(path)}); "
+            "wait for it to finish, or stop it and rerun this command to resume"
+        ) from None
+    try:
         if exclusive:
             os.ftruncate(fd, 0)
             started = time.strftime("%Y-%m-%d %H:%M:%S")

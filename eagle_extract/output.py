@@ -168,10 +168,20 @@ def prepare_output(
     output: Path, identity: dict, overwrite: bool, shard: tuple[int, int] | None = None, rows: set[int] | None = None
 ) -> set[int]:
     """Make `output` (claimed) ready; returns the rows (of `rows`, default all) an identical run already wrote."""
-    own = output / run_file(shard)
     output.mkdir(parents=True, exist_ok=True)
     if overwrite:
         _clear(output)
+    refuse_other_runs(output, identity, shard)
+    legacy = identity.get("format") == LEGACY
+    done = completed_rows(output, legacy) if rows is None else completed_rows(output, legacy) & rows
+    _sweep(output, rows)
+    write_json(output / run_file(shard), identity)
+    return done
+
+
+def refuse_other_runs(output: Path, identity: dict, shard: tuple[int, int] | None) -> None:
+    """An unfinished run (or another shard) in `output` with other settings cannot be continued by this one."""
+    own = output / run_file(shard)
     recorded = ([json.loads(own.read_text())] if own.exists() else []) + _other_identities(output, own)
     for previous in recorded:
         changed = [k for k in identity if previous.get(k) != identity[k]]
@@ -182,11 +192,6 @@ def prepare_output(
                 f"--output {output} holds an unfinished run with a different {k} "
                 f"({previous.get(k)!r}, now {identity[k]!r}); {fix}"
             )
-    legacy = identity.get("format") == LEGACY
-    done = completed_rows(output, legacy) if rows is None else completed_rows(output, legacy) & rows
-    _sweep(output, rows)
-    write_json(own, identity)
-    return done
 
 
 def abandon_if_empty(output: Path, shard: tuple[int, int] | None) -> None:

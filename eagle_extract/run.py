@@ -36,6 +36,8 @@ def run(cfg: ExtractConfig, log=print) -> dict:
             return manifest
         target = out.writing_folder(output, plan.identity, cfg.overwrite)
         staged = replace(cfg, output=target, overwrite=cfg.overwrite and target == output)
+        if not staged.overwrite:  # before the engine's log starts
+            out.refuse_other_runs(target, plan.identity, plan.shard)
         log_path = output / out.log_name(plan.shard)
         try:
             with RunLog(log_path, log) as run_log:

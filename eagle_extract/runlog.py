@@ -19,6 +19,11 @@ import traceback
 _terminal = None  # the terminal's stderr while a RunLog holds fds 1 and 2, for progress()
 
 
+def terminal():
+    """The user's stderr, also while a RunLog sends fds 1 and 2 to the log."""
+    return _terminal or sys.stderr
+
+
 def _stamp() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S")
 
@@ -131,7 +136,7 @@ class _Lines:
 def progress(total: int, desc: str, unit: str, initial: int = 0, every: float = 30.0):
     """A progress display for `total` units on the terminal: tqdm's bar, or plain periodic lines where
     stderr is not a terminal (a batch scheduler's log)."""
-    file = _terminal or sys.stderr
+    file = terminal()
     if file.isatty():
         from tqdm import tqdm
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import sys
 import threading
+
+from .runlog import terminal
 
 
 class EngineWatch:
@@ -42,7 +43,7 @@ class EngineWatch:
                     print(
                         f"Error: the vLLM engine failed (engine process {proc.pid} died); every completed row "
                         "is kept: fix the cause and rerun the same command to resume",
-                        file=sys.stderr,
+                        file=terminal(),
                         flush=True,
                     )
                     os._exit(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -98,6 +99,13 @@ def test_sharegpt_and_messages_agree(tokenizer):
         ({"input_ids": [1, 2], "loss_mask": [1]}, "2 zeros and ones"),
         ({"text": "  "}, "empty 'text'"),
         ({"turns": "what?"}, "not a non-empty list"),
+        ({"messages": [{"role": ["user"], "content": "hi"}]}, "a role is a list, expected one of"),
+        ({"input_ids": 5}, "'input_ids' is not a non-empty list"),
+        ({"input_ids": [True, 2]}, "non-negative integers"),
+        (
+            {"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Hello"}]},
+            "starts with an assistant turn",
+        ),
     ],
 )
 def test_bad_rows_name_the_problem(row, reason):
@@ -149,3 +157,86 @@ def test_unusable_file_is_one_clear_error(tmp_path, tokenizer):
         load_samples(bad, tokenizer, 512)
     with pytest.raises(DataError, match="not a saved dataset"):
         load_samples(tmp_path, tokenizer, 512)
+
+
+GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+
+
+def _rows(path, tokenizer, **options):
+    samples, report = load_samples(path, tokenizer, 4096, **options)
+    return [(s.row, s.input_ids) for s in samples], report.skipped
+
+
+def test_a_utf8_bom_loses_no_row(tmp_path, tokenizer):
+    plain, bom = tmp_path / "plain.jsonl", tmp_path / "bom.jsonl"
+    plain.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\n")
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert _rows(bom, tokenizer) == _rows(plain, tokenizer) and len(_rows(bom, tokenizer)[0]) == 2
+    array = tmp_path / "bom.json"
+    array.write_bytes(b"\xef\xbb\xbf" + json.dumps([GOOD, GOOD]).encode())
+    assert _rows(array, tokenizer)[0] == _rows(plain, tokenizer)[0]
+
+
+def test_utf8_is_checked_whole_not_by_its_first_mib(tmp_path, tokenizer):
+    """A character cut by the 1 MiB mark is fine; a bad byte after it is that line's problem, not replaced."""
+    path = tmp_path / "big.jsonl"
+    first = json.dumps({**GOOD, "pad": "x"}).encode()
+    pad = (1 << 20) - len(first) + len(b'"x"') - 2  # puts the 3-byte character across byte 1,048,576
+    line0 = json.dumps({**GOOD, "pad": "x" * pad + "\u20ac"}, ensure_ascii=False).encode()
+    assert line0.index("\u20ac".encode()) < (1 << 20) < line0.index("\u20ac".encode()) + 3
+    bad = json.dumps(GOOD).encode().replace(b"Hello", b"Hel\xfflo")
+    path.write_bytes(line0 + b"\n" + bad + b"\n" + json.dumps(GOOD).encode() + b"\n")
+    rows, skipped = _rows(path, tokenizer)
+    assert [r for r, _ in rows] == [0, 2]
+    at = bad.index(b"\xff")
+    assert skipped == [(1, f"line is not UTF-8 text (byte {at} of the line)")]
+
+
+def test_gzip_and_parquet_read_as_their_plain_source(tmp_path, tokenizer):
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [GOOD, {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}]
+    plain = tmp_path / "rows.jsonl"
+    plain.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    (tmp_path / "rows.json.gz").write_bytes(gzip.compress(json.dumps(rows).encode()))
+    pq.write_table(pa.Table.from_pylist([GOOD, GOOD]), tmp_path / "rows.parquet")
+    want = _rows(plain, tokenizer)
+    assert len(want[0]) == 2
+    assert _rows(tmp_path / "rows.jsonl.gz", tokenizer) == want == _rows(tmp_path / "rows.json.gz", tokenizer)
+    assert _rows(tmp_path / "rows.parquet", tokenizer)[0] == [(0, want[0][0][1]), (1, want[0][0][1])]
+
+
+def test_files_of_other_formats_are_named(tmp_path, tokenizer):
+    import gzip
+
+    zstd = tmp_path / "rows.jsonl.zst"
+    zstd.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(64))
+    with pytest.raises(DataError, match=r"rows.jsonl.zst is zstd-compressed; --data takes JSON or JSONL .*Parquet"):
+        load_samples(zstd, tokenizer, 512)
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress((json.dumps(GOOD) + "\n").encode() * 2000)[:300])
+    with pytest.raises(DataError, match="cut.jsonl.gz is a damaged gzip file"):
+        load_samples(cut, tokenizer, 512)
+    fake = tmp_path / "fake.parquet"
+    fake.write_bytes(b"PAR1" + bytes(16))
+    with pytest.raises(DataError, match="fake.parquet is not a readable Parquet file"):
+        load_samples(fake, tokenizer, 512)
+
+
+def test_a_template_that_raises_skips_its_row(tmp_path, tokenizer):
+    picky = copy.deepcopy(tokenizer)
+    picky.chat_template = (
+        "{% for m in messages %}{% if m['content'] == 'boom' %}{{ raise_exception('no boom here') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    boom = {"messages": [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "x"}]}
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + json.dumps(boom) + "\n")
+    rows, skipped = _rows(path, picky)
+    assert [r for r, _ in rows] == [0]
+    assert skipped == [(1, "the chat template cannot render this row (TemplateError: no boom here)")]

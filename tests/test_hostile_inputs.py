@@ -7,6 +7,10 @@ Each case is a row of the table in docs/errors.md. The cases that need a running
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+from eagle_extract.config import ExtractConfig
+from eagle_extract.plan import make_plan
 
 from .common import SAMPLE_DATA
 from .conftest import run_cli
@@ -33,8 +37,18 @@ def _cases(tmp, model):
     (tmp / "complete").mkdir()
     (tmp / "complete" / "eagle_extract.json").write_text("{}")
     (tmp / "unfinished").mkdir()
-    (tmp / "unfinished" / ".eagle_extract_run.json").write_text(json.dumps({"model": str(model), "aux_layer_ids": [1]}))
+    cfg = ExtractConfig(model=str(model), data=Path(DATA), output=tmp / "unfinished")
+    other_layers = {**make_plan(cfg).identity, "aux_layer_ids": [1]}  # the same run but for its layers
+    (tmp / "unfinished" / ".eagle_extract_run.json").write_text(json.dumps(other_layers))
     long_row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "word " * 9000}]}
+    (tmp / "no-tokenizer").mkdir()
+    (tmp / "no-weights").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp / "no-tokenizer" / name).symlink_to(model / name)
+    for f in model.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            (tmp / "no-weights" / f.name).symlink_to(f)
+    (tmp / "rows.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(32))
     return [
         ("missing model path", ["--model", str(tmp / "nope")], "no such folder; pass a local checkpoint folder"),
         ("folder that is not a model", ["--model", str(tmp / "not-a-model")], "folder has no config.json"),
@@ -118,12 +132,38 @@ def _cases(tmp, model):
         (
             "unfinished run with other settings",
             ["--output", str(tmp / "unfinished")],
-            "unfinished run with a different",
+            "unfinished run with a different aux_layer_ids ([1], now [2, 15, 27]); pass --overwrite to start over",
         ),
         (
             "engine argument that disables hooks",
             ["--engine-arg", "enforce_eager=false"],
             "enforce_eager is fixed by eagle-extract",
+        ),
+        ("a model folder without a tokenizer", ["--model", str(tmp / "no-tokenizer")], "cannot load its tokenizer"),
+        ("a model folder without weights", ["--model", str(tmp / "no-weights")], "no weights (*.safetensors"),
+        ("a compressed file of another kind", ["--data", str(tmp / "rows.jsonl.zst")], "is zstd-compressed"),
+        ("no samples per generate call", ["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+        ("a negative batch size", ["--batch-size", "-1"], "--batch-size -1: must be at least 1"),
+        ("no rows asked for", ["--max-samples", "0"], "--max-samples 0: must be at least 1"),
+        ("a negative number of rows", ["--max-samples", "-3"], "--max-samples -3: must be at least 1"),
+        ("an empty layer list", ["--layers", ""], "--layers is empty"),
+        (
+            "the dtype as an engine argument",
+            ["--engine-arg", "dtype=float32"],
+            "an option of eagle-extract's; pass --dtype",
+        ),
+        ("the length as an engine argument", ["--engine-arg", "max_model_len=512"], "pass --seq-length"),
+        ("pipeline stages as an engine argument", ["--engine-arg", "pipeline_parallel_size=2"], "pass --pp"),
+        ("remote code as an engine argument", ["--engine-arg", "trust_remote_code=true"], "pass --trust-remote-code"),
+        (
+            "an engine argument of the wrong type",
+            ["--engine-arg", "gpu_memory_utilization=lots"],
+            "gpu_memory_utilization='lots': vLLM takes a number",
+        ),
+        (
+            "an engine argument vLLM does not have",
+            ["--engine-arg", "gpu_memory_fraction=0.5"],
+            "is not one of this vLLM",
         ),
     ]
 
@@ -147,15 +187,21 @@ def _split_flags(args: list[str]) -> tuple[dict, list[str]]:
 
 
 def test_every_hostile_input_gets_one_line_naming_the_fix(tmp_path, smollm2):
+    """In this process, through click's runner (the real command; a crash shows as an exception, not as
+    the one line); each case is a subprocess's interpreter start cheaper, so the table can grow."""
+    from click.testing import CliRunner
+
+    from eagle_extract.cli import main
+
     failures = []
     for case, args, words in _cases(tmp_path, smollm2):
         options = {"--model": str(smollm2), "--data": DATA, "--output": str(tmp_path / "out")}
         pairs, flags = _split_flags(args)
         options.update(pairs)
-        proc = run_cli(*[x for pair in options.items() for x in pair], *flags, check=False)
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        if proc.returncode == 0 or len(lines) != 1 or words not in lines[0]:
-            failures.append(f"{case}: rc={proc.returncode} stderr={proc.stderr[-400:]!r}")
+        result = CliRunner().invoke(main, [x for pair in options.items() for x in pair] + flags)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        if result.exit_code != 1 or len(lines) != 1 or words not in lines[0]:
+            failures.append(f"{case}: rc={result.exit_code} stderr={result.stderr[-400:]!r} ({result.exception!r})")
     assert not failures, "\n".join(failures)
     assert not (tmp_path / "out").exists()  # nothing was created for any of them
 

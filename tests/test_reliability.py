@@ -142,7 +142,9 @@ def _start(args, log):
 
 def _wait_for(condition, timeout=240):
     deadline = time.time() + timeout
-    while not condition() and time.time() < deadline:
+    while not condition():
+        if time.time() > deadline:
+            raise AssertionError(f"waited {timeout} s in vain")
         time.sleep(0.02)
 
 
