@@ -15,7 +15,8 @@ from datasets import load_from_disk
 from safetensors.torch import load_file, save_file
 
 from eagle_extract import verify
-from eagle_extract.output import RUN_FILE
+from eagle_extract.lock import MAIN
+from eagle_extract.output import LOG, REPLACEMENT, RUN_FILE
 from eagle_extract.writer import hidden_state_path, read_manifest
 
 from .common import load_row, rel_err
@@ -183,16 +184,51 @@ def test_a_dead_worker_is_reported_not_waited_for(tmp_path, tiny_llama, mixed_co
     assert proc.returncode == 1 and "the vLLM engine failed" in last and "resume" in last, last
 
 
-def test_two_runs_of_the_same_command_are_identical(tmp_path, tiny_llama, mixed_conversations):
-    """One request per generate call fixes vLLM's batch composition, and then every byte repeats.
-    (Batched runs can differ in the last bits: the engine core may start stepping before all of a
-    call's requests have arrived, so steps are composed differently; see docs/benchmarks.md.)"""
-    outs = []
-    for k in range(2):
-        outs.append(tmp_path / f"run{k}")
-        run_cli(*_tiny_args(tiny_llama, mixed_conversations, outs[-1], "--batch-size", "1"))
-    for i in range(read_manifest(outs[0])["num_samples"]):
-        a, b = load_row(outs[0], i), load_row(outs[1], i)
+def test_one_output_folder_through_a_failure_a_rival_a_rerun_and_overwrites(tmp_path, tiny_llama, mixed_conversations):
+    """Two real runs of one command with --batch-size 1, the second by --overwrite, around the misuse an
+    output folder meets.  One request per generate call fixes vLLM's batch composition, so the two runs'
+    bytes are equal (batched runs can differ in the last bits: the engine core may start stepping
+    before all of a call's requests have arrived; see docs/benchmarks.md)."""
+    out = tmp_path / "o"
+    args = _tiny_args(tiny_llama, mixed_conversations, out, "--batch-size", "1")
+    failing = ["--engine-arg", "max_num_seqs=0"]  # passes the checks, then vLLM refuses it while starting
+
+    # a run that fails before writing a row leaves nothing that refuses a corrected, different command
+    proc = run_cli(*args, "--max-samples", "6", *failing, check=False)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("Error: the vLLM engine failed")
+    assert "max_num_seqs" in proc.stderr and not (out / RUN_FILE).exists()
+    assert "Traceback" in (out / LOG).read_text()  # the whole story is in the run's log
+
+    # a second run into the folder is refused while the first one runs
+    first = _start(args, tmp_path / "first.log")
+    try:
+        _wait_for(lambda: (out / MAIN).exists() and (out / MAIN).read_text())
+        rival = run_cli(*args, check=False)
+    finally:
+        first.wait(timeout=300)
+    lines = [line for line in rival.stderr.splitlines() if line.strip()]
+    assert rival.returncode == 1 and len(lines) == 1, rival.stderr
+    assert f"is being written by another eagle-extract run (pid {first.pid} on" in lines[0]
+    shown = first.log.read_text().splitlines()
+    assert first.returncode == 0 and shown[-1].startswith("train on it: speculators train"), shown[-5:]
+    assert not [line for line in shown if "WARNING" in line or "EngineCore" in line]  # only our lines ...
+    assert "(EngineCore pid=" in (out / LOG).read_text()  # ... and the engine's in the run's log
+    kept = tmp_path / "first"
+    shutil.copytree(out, kept)
+
+    # rerunning the finished command has nothing to do
+    again = run_cli(*args)
+    assert "is already complete" in again.stdout and again.stdout.splitlines()[-1].startswith("train on it:")
+
+    # --overwrite keeps the complete output, and the user's own files, until its replacement is complete
+    (out / "notes.txt").write_text("mine")
+    proc = run_cli(*args, "--overwrite", *failing, check=False)
+    assert proc.returncode == 1 and verify(out).ok and (out / "notes.txt").read_text() == "mine"
+    run_cli(*args, "--overwrite")
+    assert verify(out).ok and (out / "notes.txt").read_text() == "mine" and not (out / REPLACEMENT).exists()
+    assert read_manifest(out)["config"]["output"] == str(out)
+    for i in range(read_manifest(kept)["num_samples"]):
+        a, b = load_row(kept, i), load_row(out, i)
         assert torch.equal(a["token_ids"], b["token_ids"])
         assert torch.equal(a["hidden_states"], b["hidden_states"])
 
