@@ -39,6 +39,8 @@ class Summary:
     skipped: int | None = None
     skipped_long: int | None = None
     shard: str | None = None
+    resumed_rows: int = 0  # rows an interrupted run had written, kept
+    redone_rows: int = 0  # kept rows whose file was damaged (a power cut), written again
     waiting_for: tuple[int, ...] = ()  # shards still running, for an incomplete output
     manifest: dict | None = None
 
@@ -64,6 +66,8 @@ class Summary:
                 tokens_per_s=round(result["tokens"] / result["extract_s"], 1) if result["extract_s"] else 0.0,
                 aux_layer_ids=result["identity"]["aux_layer_ids"],
                 shard=result["shard"],
+                resumed_rows=result["resumed_rows"],
+                redone_rows=result["redone_rows"],
                 waiting_for=tuple(result["waiting_for"]),
             )
         timing = result["timing"]
@@ -82,6 +86,8 @@ class Summary:
             truncated=result["truncated"],
             skipped=result["skipped"],
             skipped_long=result["skipped_long"],
+            resumed_rows=result.get("resumed_rows", 0),
+            redone_rows=result.get("redone_rows", 0),
             manifest=result,
         )
 

@@ -16,6 +16,7 @@ accepted as they are: nothing is said about the missing record, so older outputs
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import torch
@@ -256,6 +257,38 @@ def count_problems(m: dict, samples: int, tokens: int, loss_tokens: int) -> list
         for name, got, what in counts
         if name in m and m[name] != got
     ]
+
+
+def kept_file_problem(path: Path, tokens: int, slots: int, hidden: int, legacy: bool) -> str | None:
+    """What a look at a row file's own header (no tensor read) finds wrong, as a power cut leaves it:
+    cut, emptied, its length other than its header says, or shapes other than the run's.  (Not the
+    dtype: with --dtype auto the engine's may differ from the config's, which the identity holds.)"""
+    try:
+        size = path.stat().st_size
+        if legacy:  # a torch.save zip: its directory, at the end, is the first thing a cut loses
+            with zipfile.ZipFile(path) as archive:
+                archive.infolist()
+            return None
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= size - 8:
+                return "cut inside its header"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return "unreadable"
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    try:
+        end = max(v["data_offsets"][1] for v in tensors.values())
+        shapes = {k: (v["shape"], v["dtype"]) for k, v in tensors.items()}
+    except (TypeError, KeyError, IndexError, ValueError):
+        return "header unreadable"
+    if size != 8 + n + end:
+        return f"{size} bytes, its header says {8 + n + end}"
+    if shapes.get("hidden_states", [None])[0] != [tokens, slots, hidden]:
+        return f"hidden_states {shapes.get('hidden_states')}, the run writes {[tokens, slots, hidden]}"
+    if shapes.get("token_ids") != ([tokens], "I64"):
+        return f"token_ids {shapes.get('token_ids')}, the run writes [{tokens}] I64"
+    return None
 
 
 def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None, str]]:

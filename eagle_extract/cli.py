@@ -262,6 +262,8 @@ def _summarise(summary: api.Summary) -> None:
         f"({summary.tokens_per_s:,.0f} tokens/s; engine start {summary.engine_start_s:.1f} s); "
         f"truncated {summary.truncated}, skipped {summary.skipped} "
         f"({summary.skipped_long} over --seq-length)"
+        + (f"; resumed: {summary.resumed_rows} rows kept" if summary.resumed_rows else "")
+        + (f", {summary.redone_rows} damaged files written again" if summary.redone_rows else "")
     )
     if summary.skipped_rows:
         click.echo(f"skipped rows and why: {summary.skipped_rows}")

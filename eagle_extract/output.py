@@ -260,6 +260,7 @@ def complete(plan: Plan, samples: list[Sample], report: LoadReport, runs: list[d
         "engine_args": cfg.engine_kwargs(),
         "shards": len(runs) if plan.shard else None,
         "resumed_rows": sum(r["resumed_rows"] for r in runs),
+        "redone_rows": sum(r.get("redone_rows", 0) for r in runs),  # kept files found damaged on resume
         "capture": runs[0]["capture"] if len(runs) == 1 else [r["capture"] for r in runs],
         "timing": {
             "engine_start_s": max(r["engine_start_s"] for r in runs),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import output as out
 from . import preflight, regenerate, shards
+from .checks import kept_file_problem
 from .config import ExtractConfig
 from .engine import start_engine
 from .errors import ExtractError, engine_errors
@@ -20,7 +21,7 @@ from .plan import Plan, make_plan, plan_samples
 from .runlog import RunLog, progress
 from .stages import PartJoiner, check_layout
 from .watch import EngineWatch
-from .writer import completed_rows
+from .writer import completed_rows, hidden_state_path
 
 
 def run(cfg: ExtractConfig, log=print) -> dict:
@@ -85,9 +86,12 @@ def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog) -> dict:
     samples, report, mine, todo_tokens, expected_bytes, free = rows
     fresh = cfg.overwrite and not cfg.regenerate  # a regenerating run prepared (and cleared) the folder already
     done = out.prepare_output(output, plan.identity, fresh, plan.shard, mine)
+    damaged = _drop_damaged(plan, samples, done)
+    done -= damaged
     todo = [(i, samples[i]) for i in sorted(mine - done)]
     part = f" (shard {cfg.shard}: {len(mine)} of them)" if plan.shard else ""
     resumed = f"; resuming, {len(done)} rows already written" if done else ""
+    resumed += f" ({len(damaged)} damaged files are written again)" if damaged else ""
     log(
         f"{len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens{part}; slots for layers "
         f"{plan.slot_ids}; about {expected_bytes / 2**20:.1f} MiB of hidden states to write "
@@ -115,6 +119,7 @@ def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog) -> dict:
         "tokens": todo_tokens,
         "rows": len(mine),
         "resumed_rows": len(done),
+        "redone_rows": len(damaged),
         "capture": stats,
     }
     if plan.shard is None:
@@ -123,6 +128,19 @@ def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog) -> dict:
         return manifest
     summary = {"shard": cfg.shard, "identity": plan.identity, "config": cfg.record(), **this_run}
     return out.complete_shard(plan, samples, report, summary, log)
+
+
+def _drop_damaged(plan: Plan, samples: list, done: set[int]) -> set[int]:
+    """Kept rows whose file is not whole (a power cut can leave a final name on a torn file, or an empty
+    one, when the folder's entry reached the disk and the data did not): deleted, to be written again."""
+    cfg, slots, hidden = plan.cfg, len(plan.slot_ids), plan.shape.hidden_size
+    damaged = set()
+    for i in sorted(done):
+        path = hidden_state_path(Path(cfg.output), i, cfg.legacy)
+        if kept_file_problem(path, len(samples[i].input_ids), slots, hidden, cfg.legacy):
+            path.unlink(missing_ok=True)
+            damaged.add(i)
+    return damaged
 
 
 def _batches(items: list, size: int):

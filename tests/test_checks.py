@@ -237,3 +237,19 @@ def test_joined_pipeline_rows_record_every_slot_and_parts_are_checked(tmp_path):
     flip_a_bit(hidden_state_path(parts[1][0], 1))
     with pytest.raises(ValueError, match="row 1: its part in .*layers_16-30 changed since it was written"):
         join_row(out, 1, parts, fp8=False, legacy_mask=None)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_resume_finds_what_a_power_cut_leaves_by_the_headers(tmp_path, legacy):
+    from eagle_extract.checks import kept_file_problem
+
+    out, _ = make_output(tmp_path, legacy)
+    path = hidden_state_path(out, 0, legacy)
+    whole = path.read_bytes()
+    assert kept_file_problem(path, len(INPUT_IDS[0]), len(SLOTS), HIDDEN, legacy) is None
+    for torn in (whole[:-10], b"", whole[:20]):  # cut short, emptied, cut inside the header
+        path.write_bytes(torn)
+        assert kept_file_problem(path, len(INPUT_IDS[0]), len(SLOTS), HIDDEN, legacy), len(torn)
+    if not legacy:  # a whole file of another run's shape
+        path.write_bytes(whole)
+        assert "the run writes [5, 4, 16]" in kept_file_problem(path, 5, len(SLOTS), 16, legacy)

@@ -40,7 +40,7 @@ def test_draft_takes_the_extracted_layers_and_vllm_serves_it(tmp_path, smollm2_b
                       "--json", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain, eagle = json.loads(out.read_text())["results"]
-    assert eagle["drafts"] > 0 and eagle["mean_acceptance_length"] >= 1.0  # the draft was asked every step
+    assert eagle["drafts"] > 0  # the draft was asked
     rates = eagle["acceptance_rate_per_position"]
     assert len(rates) == 3 and abs(1 + sum(rates) - eagle["mean_acceptance_length"]) < 2e-3
     # Over all steps: 1 without speculation; an EAGLE-3 draft proposes at every step, so it agrees with vLLM's
