@@ -16,6 +16,7 @@ from . import output as out
 from .checks import find_problems
 from .config import ExtractConfig
 from .errors import ExtractError
+from .lock import holding
 from .run import run
 from .writer import MANIFEST
 
@@ -136,7 +137,8 @@ def repair(output, rows: list[int], log=print) -> Summary:
     if not (output / MANIFEST).exists():
         raise ExtractError("no manifest to repair from: rerun the original extraction command to resume it")
     log(f"repairing {len(rows)} row(s)")
-    summary = Summary.of(run(out.reopen(output, rows), log=log), output)
+    with holding(output):  # before a file is deleted; the run inside holds it on
+        summary = Summary.of(run(out.reopen(output, rows), log=log), output)
     remaining = find_problems(output, progress=False)
     if remaining:
         raise ExtractError(f"{len(remaining)} problem(s) remain after repair; first: {remaining[0][1]}")

@@ -16,7 +16,6 @@ accepted as they are: nothing is said about the missing record, so older outputs
 from __future__ import annotations
 
 import json
-import zipfile
 from pathlib import Path
 
 import torch
@@ -83,16 +82,25 @@ def _json(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+LATER = {"format", "identity", "config", "storage_dtype", "legacy_layer_ids", "num_loss_tokens", "seq_length"}
+# ^ fields manifests of earlier eagle-extract releases may lack: their outputs are checked without them
+
+
 def manifest_fields(manifest: dict) -> tuple[dict, list[str]]:
     """The fields of the right type, and a problem for each missing or mistyped one."""
     good, problems = {}, []
     for name, (valid, what) in FIELDS.items():
         if name not in manifest:
-            problems.append(f"{MANIFEST} has no {name!r} field")
+            if name not in LATER:
+                problems.append(f"{MANIFEST} has no {name!r} field")
         elif not valid(manifest[name]):
             problems.append(f"{MANIFEST}: {name} is {_json(manifest[name])}, expected {what}")
         else:
             good[name] = manifest[name]
+    if "format" not in manifest:  # what the earlier releases wrote
+        good["format"] = "speculators-offline"
+    if "storage_dtype" not in manifest and "dtype" in good:
+        good["storage_dtype"] = good["dtype"]
     return good, problems
 
 
@@ -145,9 +153,10 @@ def _config_layers_problems(layers, aux: list[int], final: int) -> list[str]:
 def model_problems(m: dict) -> list[str]:
     """final_layer_id and hidden_size against the model folder's config.json (its text_config when it has
     one), read as JSON; nothing to say when the folder is not here or its config is unreadable."""
-    if not m.get("model"):
+    model = m.get("identity", {}).get("model") or m.get("model")  # the identity's is the resolved path
+    if not isinstance(model, str) or not model:
         return []
-    path = Path(m["model"]) / "config.json"
+    path = Path(model) / "config.json"
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -259,36 +268,13 @@ def count_problems(m: dict, samples: int, tokens: int, loss_tokens: int) -> list
     ]
 
 
-def kept_file_problem(path: Path, tokens: int, slots: int, hidden: int, legacy: bool) -> str | None:
-    """What a look at a row file's own header (no tensor read) finds wrong, as a power cut leaves it:
-    cut, emptied, its length other than its header says, or shapes other than the run's.  (Not the
-    dtype: with --dtype auto the engine's may differ from the config's, which the identity holds.)"""
-    try:
-        size = path.stat().st_size
-        if legacy:  # a torch.save zip: its directory, at the end, is the first thing a cut loses
-            with zipfile.ZipFile(path) as archive:
-                archive.infolist()
-            return None
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if not 0 < n <= size - 8:
-                return "cut inside its header"
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, zipfile.BadZipFile):
-        return "unreadable"
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    try:
-        end = max(v["data_offsets"][1] for v in tensors.values())
-        shapes = {k: (v["shape"], v["dtype"]) for k, v in tensors.items()}
-    except (TypeError, KeyError, IndexError, ValueError):
-        return "header unreadable"
-    if size != 8 + n + end:
-        return f"{size} bytes, its header says {8 + n + end}"
-    if shapes.get("hidden_states", [None])[0] != [tokens, slots, hidden]:
-        return f"hidden_states {shapes.get('hidden_states')}, the run writes {[tokens, slots, hidden]}"
-    if shapes.get("token_ids") != ([tokens], "I64"):
-        return f"token_ids {shapes.get('token_ids')}, the run writes [{tokens}] I64"
-    return None
+_REWRITTEN = ("token_freq.pt ", "Arrow dataset unreadable", "dataset has ")  # files a completion writes again
+
+
+def repairable(row: int | None, problem: str) -> bool:
+    """Whether a repair (rows rewritten, then the dataset files, from the manifest) fixes `problem`;
+    not a problem of the manifest itself."""
+    return row is not None or problem.startswith(_REWRITTEN)
 
 
 def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None, str]]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from . import api
+from .checks import repairable
 from .config import CHOICES, ExtractConfig
 from .errors import ExtractError
 from .interrupts import stop_on_sigterm
@@ -291,15 +292,16 @@ def verify(output, repair):
     if report.ok:
         click.echo(f"ok: {output} passes every check")
         return
-    whole = [why for row, why in report.problems if row is None]
+    blocking = [why for row, why in report.problems if not repairable(row, why)]
+    fix = "restore the manifest from a copy, or rerun the extraction with --overwrite"
     if not (output / MANIFEST).exists():  # nothing to repair from: the one problem says what to do
-        raise click.ClickException(whole[0])
+        raise click.ClickException(blocking[0])
+    if blocking and len(report.problems) == 1:
+        raise click.ClickException(blocking[0] if "--overwrite" in blocking[0] else f"{blocking[0]}; {fix}")
     for row, why in report.problems:
         click.echo(f"{'row ' + str(row) if row is not None else 'output'}: {why}", err=True)
-    if whole:  # --repair rewrites rows from the manifest; it cannot vouch for the manifest itself
-        raise click.ClickException(
-            f"{len(report.problems)} problem(s) in {output}, first: {whole[0]}; rerun the extraction with --overwrite"
-        )
+    if blocking:  # a repair reruns rows from the manifest: it cannot vouch for the manifest itself
+        raise click.ClickException(f"{len(report.problems)} problem(s) in {output}, some in its manifest; {fix}")
     if not repair:
         raise click.ClickException(
             f"{len(report.problems)} problem(s) in {output}; `eagle-extract verify --repair {output}` fixes them"

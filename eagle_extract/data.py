@@ -39,8 +39,17 @@ class LoadReport:
     skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
+def _apply_template(tokenizer, messages: list[dict], **options):
+    """The chat template's own errors (jinja2's, or what it raises for a row it refuses) are the row's."""
+    try:
+        return tokenizer.apply_chat_template(messages, **options)
+    except Exception as exc:
+        said = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "no message"
+        raise BadRow(f"the chat template cannot render this row ({type(exc).__name__}: {said})") from None
+
+
 def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return _apply_template(tokenizer, messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -74,8 +83,13 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
 
 
 def _template_marks(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, add_special_tokens=False
+    out = _apply_template(
+        tokenizer,
+        messages,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+        add_special_tokens=False,
     )
     return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
 
@@ -142,13 +156,7 @@ def make_samples(
                 raise BadRow(reason)
             if record.messages is not None and not getattr(tokenizer, "chat_template", None):
                 raise DataError("the model's tokenizer has no chat template; use a chat model or pre-tokenized rows")
-            try:
-                ids, mask = tokenize_record(tokenizer, record)
-            except BadRow:
-                raise
-            except Exception as exc:  # a chat template's own error (jinja2's, or a ValueError it raises) is the row's
-                said = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "no message"
-                raise BadRow(f"the chat template cannot render this row ({type(exc).__name__}: {said})") from None
+            ids, mask = tokenize_record(tokenizer, record)
             if len(ids) > seq_length and long_samples == "skip":
                 report.skipped_long += 1
                 raise BadRow(f"{len(ids)} tokens, longer than --seq-length {seq_length}")

@@ -39,10 +39,8 @@ def on_gpu() -> bool:
 
 def prepare_environment(tp: int, pp: int, dtype: str = "auto") -> None:
     """Set the environment vLLM needs here before it is imported; user settings win."""
+    _quiet_vllm()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # fork deadlocks on GPU (FACTS §6)
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if dtype in ("float32", "float"):
         # Triton's float32 matmuls (vLLM's GPU attention and fused-MoE kernels) default to TF32,
         # 1e-3 off true float32; asking for float32 should give float32 (docs/benchmarks.md).
@@ -62,6 +60,13 @@ OWNED_ARGS = {  # engine arguments that eagle-extract's own options set
     "trust_remote_code": "--trust-remote-code",
     "max_num_batched_tokens": "--max-num-batched-tokens",
 }
+
+
+def _quiet_vllm() -> None:
+    """What must be set before vLLM is first imported, whatever the run: its import reads them."""
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def check_engine_args(extra: dict) -> None:
@@ -85,6 +90,7 @@ def _check_against_vllm(extra: dict) -> None:
     import dataclasses
     import inspect
 
+    _quiet_vllm()
     try:
         from vllm import LLM
         from vllm.engine.arg_utils import EngineArgs
@@ -100,7 +106,8 @@ def _check_against_vllm(extra: dict) -> None:
             )
         wanted = _accepts(types.get(key), value)
         if wanted:
-            raise ExtractError(f"engine argument {key}={value!r}: vLLM takes {wanted}")
+            quote = f" (quote it: {key}='\"{value}\"')" if "a string" in wanted and not isinstance(value, str) else ""
+            raise ExtractError(f"engine argument {key}={value!r}: vLLM takes {wanted}{quote}")
 
 
 def _accepts(annotation, value) -> str | None:

@@ -114,14 +114,26 @@ def _open(path: Path, gzipped: bool):
     return gzip.open(path, "rb") if gzipped else path.open("rb")
 
 
+def _utf8(data: bytes) -> bool:
+    try:  # incremental: a character cut at the end (by the 1 MiB boundary) is not an error
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def _mostly_utf8(head: bytes) -> bool:
+    """Whether most lines of the file's first MiB are UTF-8 (the last may be cut by the MiB)."""
+    lines = head.split(b"\n")
+    return sum(map(_utf8, lines)) * 2 >= len(lines)
+
+
 def _text_rows(path: Path, gzipped: bool) -> Iterator[tuple[int, object]]:
     """JSON list or JSONL rows, UTF-8 with or without a BOM; a JSONL line that is not UTF-8 is a bad row."""
     with _open(path, gzipped) as f:
         head = f.read(1 << 20).removeprefix(_BOM)
-    try:  # incremental: a character cut by the 1 MiB boundary is not an error
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
-    except UnicodeDecodeError:
-        raise DataError(f"{path} is not UTF-8 text; {_TAKES}") from None
+    if b"\0" in head or not _mostly_utf8(head):  # a binary file, not text with a few bad lines
+        raise DataError(f"{path} is not UTF-8 text; {_TAKES}")
     if head.lstrip()[:1] == b"[":
         with _open(path, gzipped) as f:
             raw = f.read().removeprefix(_BOM)
@@ -233,7 +245,7 @@ def conversation(row: dict, fmt: str, need_assistant: bool = True) -> list[dict]
         messages = []
         for turn in _turn_list(row, _KEYS[fmt]):
             if isinstance(turn, dict) and "role" in turn:
-                messages.append({k: v for k, v in turn.items() if v is not None})
+                messages.append({k: v for k, v in turn.items() if v is not None or k == "role"})
             elif isinstance(turn, dict) and "from" in turn and "value" in turn:
                 role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
                 if role is None:

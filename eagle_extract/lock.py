@@ -1,15 +1,18 @@
 """One job at a time per output folder, or per shard of it: file locks held for the whole run.
 
-`flock` locks belong to the process: the kernel drops them when it dies, however it dies, so a
-killed run never blocks its own resume.  An unsharded run holds `.eagle_extract.lock` alone; each
-`--shard` job shares it with the other shards and holds its own `.eagle_extract.I-of-N.lock`; a
-`--dp` parent holds the main lock for its replicas, which hold their shards'.  The lock files stay (empty while unheld):
-removing one would let a second run lock a new file while a first holds the old one.  flock works
-on local filesystems and NFSv4; on other network filesystems run one job per output.
+`flock` locks belong to the open file: the kernel drops them when the last process holding it dies,
+however it dies, so a killed run never blocks its own resume.  An unsharded run holds
+`.eagle_extract.lock` alone; each `--shard` job shares it with the other shards and holds its own
+`.eagle_extract.I-of-N.lock`; a `--dp` parent holds the main lock and hands it to its replicas
+(which hold their shards'), so the folder stays locked while any of them lives.  A holder that is
+alone on a lock file at the end removes it; whoever locks a file checks that it is still the one
+at that path, so a removed file is never mistaken for the lock.  Filesystems without flock (some
+NFS and Lustre mounts) get a warning and no lock: run one job per output there.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -22,6 +25,8 @@ from .errors import ExtractError
 
 MAIN = ".eagle_extract.lock"
 REPLICA_ENV = "EAGLE_EXTRACT_REPLICA_OF"  # set by a --dp parent for its replicas, which share its lock
+_NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
+_held: dict[str, int] = {}  # the locks this process holds: path -> fd, so a run inside a repair nests
 
 
 def shard_lock(shard: tuple[int, int]) -> str:
@@ -36,36 +41,79 @@ def _holder(path: Path) -> str:
     return said or "one or more --shard jobs"
 
 
-@contextmanager
-def _flock(path: Path, exclusive: bool, output: Path):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ExtractError(
-            f"--output {output} is being written by another eagle-extract run ({_holder(path)}); "
-            "wait for it to finish, or stop it and rerun this command to resume"
-        ) from None
-    try:
+def _acquire(path: Path, exclusive: bool, output: Path) -> int | None:
+    """The fd holding `path`'s lock; None where the filesystem has no flock."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ExtractError(
+                f"--output {output} is being written by another eagle-extract run ({_holder(path)}); "
+                "wait for it to finish, or stop it and rerun this command to resume"
+            ) from None
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _NO_FLOCK:
+                raise
+            from .runlog import terminal
+
+            print(f"warning: {output}'s filesystem has no file locks; run one job per output", file=terminal())
+            return None
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # its holder removed the file after we opened it: lock the one there now
+    try:  # with a lock of its own a holder names itself; with a shared one, no named holder is alive
+        os.ftruncate(fd, 0)
         if exclusive:
-            os.ftruncate(fd, 0)
             started = time.strftime("%Y-%m-%d %H:%M:%S")
             os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}: {' '.join(sys.argv)}".encode())
-        yield
+    except OSError:  # the name is a courtesy; a full disk must not stop the run here
+        pass
+    return fd
+
+
+def _release(path: Path, fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # alone on it (shards share the main lock)
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
     finally:
-        if exclusive:
-            os.ftruncate(fd, 0)  # an unheld lock names nobody
         os.close(fd)
+
+
+@contextmanager
+def _flock(path: Path, exclusive: bool, output: Path):
+    key = str(path.resolve())
+    if key in _held:  # this process holds it already (a repair's run)
+        yield _held[key]
+        return
+    fd = _acquire(path, exclusive, output)
+    if fd is None:
+        yield None
+        return
+    _held[key] = fd
+    try:
+        yield fd
+    finally:
+        del _held[key]
+        _release(path, fd)
 
 
 @contextmanager
 def holding(output: Path, shard: tuple[int, int] | None = None):
-    """Hold `output`'s locks for the block: the whole folder's (an unsharded run, a --dp parent), or a shard's."""
+    """Hold `output`'s locks for the block: the whole folder's (an unsharded run, a --dp parent, merge,
+    repair), or a shard's; yields the main lock's fd (None for a replica or without flock)."""
     output = Path(output)
     with ExitStack() as stack:
+        main = None
         if shard is None or os.environ.get(REPLICA_ENV) is None:
-            stack.enter_context(_flock(output / MAIN, shard is None, output))
+            main = stack.enter_context(_flock(output / MAIN, shard is None, output))
         if shard is not None:
             stack.enter_context(_flock(output / shard_lock(shard), True, output))
-        yield
+        yield main

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,8 +46,8 @@ def run_file(shard: tuple[int, int] | None) -> str:
     return RUN_FILE if shard is None else f".eagle_extract_run.{shards.shard_name(shard)}.json"
 
 
-def _other_identities(output: Path, own: Path) -> list[dict]:
-    """Identities recorded by the other jobs (shards) writing into `output`."""
+def _other_identities(output: Path, own: Path | None = None) -> list[dict]:
+    """Identities recorded by the jobs (shards) writing into `output`, but for the run file `own`."""
     found = [json.loads(f.read_text()) for f in output.glob(".eagle_extract_run*.json") if f != own]
     folder = output / shards.SHARDS_DIR
     if folder.is_dir():
@@ -66,9 +67,9 @@ def _sweep(output: Path, rows: set[int] | None) -> None:
 
 
 OURS = re.compile(  # every name eagle-extract writes in an output folder
-    r"eagle_extract\.(json|log|\d+-of-\d+\.log)|\.eagle_extract.*|hidden_states|shards|\.pp_parts|\.completing|token_freq\.pt"
-    r"|skipped_rows\.jsonl|regenerated\.jsonl|data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json|\.dataset-.*"
-    r"|\.?data_\d+\.pt(\.tmp)?|\.(regenerated\.jsonl|token_freq\.pt|eagle_extract\.json)\..*\.tmp"
+    r"eagle_extract\.(json|log|\d+-of-\d+\.log)|\.eagle_extract.*|hidden_states|shards|\.pp_parts|\.completing"
+    r"|token_freq\.pt|skipped_rows\.jsonl|regenerated\.jsonl|data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json"
+    r"|\.dataset-.*|\.?data_\d+\.pt(\.tmp)?|\.(token_freq\.pt|skipped_rows\.jsonl|regenerated\.jsonl)\.tmp"
 )
 REPLACEMENT = ".eagle_extract_replacement"  # --overwrite of a complete output writes here, then swaps it in
 REPLACED = ".eagle_extract_replaced"  # the old output's files, during the swap
@@ -80,8 +81,8 @@ def _ours(entry: Path) -> bool:
 
 @contextmanager
 def claimed(output: Path, shard: tuple[int, int] | None):
-    """Hold the output for one run: refused when it holds someone else's files or another run is writing it.
-    Finishes a swap an interrupted --overwrite left half done."""
+    """Hold the output for one run (yields the main lock's fd): refused when it holds someone else's
+    files or another run is writing it.  Finishes a swap that an interrupted --overwrite left."""
     output = Path(output)
     if output.is_dir() and any(output.iterdir()):
         marks = [output / MANIFEST, output / LOG, *output.glob(".eagle_extract*")]
@@ -91,10 +92,15 @@ def claimed(output: Path, shard: tuple[int, int] | None):
                 f"--output {output} holds files that are not an eagle-extract output; choose an empty folder"
             )
     output.mkdir(parents=True, exist_ok=True)
-    with lock.holding(output, shard):
-        if (output / REPLACEMENT / MANIFEST).exists():
+    with lock.holding(output, shard) as main_fd:
+        if (output / REPLACEMENT / MANIFEST).exists() or (output / REPLACED).exists():
+            if shard is not None:  # shards share the folder: the swap needs it alone
+                raise ExtractError(
+                    f"--output {output}: an --overwrite run was cut while swapping its replacement in; rerun it "
+                    "(any command without --shard finishes the swap), then start the shards"
+                )
             replace_complete(output / REPLACEMENT, output)
-        yield
+        yield main_fd
 
 
 def identical_complete(output: Path, identity: dict, overwrite: bool) -> dict | None:
@@ -113,44 +119,64 @@ def identical_complete(output: Path, identity: dict, overwrite: bool) -> dict | 
     return manifest
 
 
+def already_complete(output: Path) -> str:
+    """What a rerun of the command that completed `output` says."""
+    said = f"{output} is already complete: this same extraction wrote it (check it with `eagle-extract verify`)"
+    if (output / REPLACEMENT).exists():
+        said += f"; {output / REPLACEMENT} holds an unfinished --overwrite: rerun it to finish, or delete it"
+    return said
+
+
 def writing_folder(output: Path, identity: dict, overwrite: bool) -> Path:
     """Where this run writes: `output`, or, when --overwrite replaces a complete output, a folder inside it
     that is swapped in once complete, so the old output stays whole until then.  An unfinished
-    replacement with other settings is started over; one with the same settings resumes."""
+    replacement that recorded these settings (its run file, or its --dp replicas') resumes; any
+    other is started over."""
     output = Path(output)
     if not (overwrite and (output / MANIFEST).exists()):
         return output
     staged = output / REPLACEMENT
-    recorded = staged / RUN_FILE
-    if staged.exists() and not (recorded.exists() and json.loads(recorded.read_text()) == identity):
-        shutil.rmtree(staged)
+    if staged.exists():
+        recorded = _other_identities(staged)  # every run file and shard summary in it
+        if not recorded or any(r != identity for r in recorded):
+            shutil.rmtree(staged)
     return staged
 
 
 def replace_complete(staged: Path, output: Path) -> dict:
-    """Swap a complete replacement in: the old output's files move aside (the manifest first, so the
-    folder stops looking complete), the new ones move in (its manifest last), the old ones go.
-    Each step can be redone after a crash: `claimed` finishes it."""
+    """Swap a complete replacement in: (1) the old output's files move aside, the manifest first, into a
+    folder renamed once they all are; (2) the new ones move in, the manifest last (from then on the
+    output is the new one); (3) what is left goes.  `claimed` finishes a swap cut at any point."""
     aside = output / REPLACED
-    if not aside.exists():
-        moving = Path(f"{aside}.tmp")
-        moving.mkdir(exist_ok=True)
-        old = [e for e in output.iterdir() if _ours(e) and e.name not in _KEPT and not e.name.endswith(".lock")]
-        old.sort(key=lambda e: e.name != MANIFEST)
-        for entry in old:
-            os.replace(entry, moving / entry.name)
-        os.replace(moving, aside)
-    new = [e for e in staged.iterdir() if e.name not in _KEPT and not e.name.endswith(".lock")]
-    for entry in sorted(new, key=lambda e: e.name == MANIFEST):
-        if entry.name == MANIFEST:
-            manifest = json.loads(entry.read_text())
-            manifest["config"]["output"] = str(output)
-            write_manifest(output, manifest)
-            entry.unlink()
-        else:
-            os.replace(entry, output / entry.name)
-    shutil.rmtree(aside)
-    shutil.rmtree(staged)
+    try:
+        if (staged / MANIFEST).exists():  # (1) and (2) not done yet
+            if not aside.exists():
+                moving = Path(f"{aside}.tmp")
+                moving.mkdir(exist_ok=True)
+                old = [e for e in output.iterdir() if _ours(e) and e.name not in _KEPT and not e.name.endswith(".lock")]
+                old.sort(key=lambda e: e.name != MANIFEST)
+                for entry in old:
+                    os.replace(entry, moving / entry.name)
+                os.replace(moving, aside)
+            new = [e for e in staged.iterdir() if e.name not in _KEPT and not e.name.endswith(".lock")]
+            for entry in sorted(new, key=lambda e: e.name == MANIFEST):
+                if entry.name == MANIFEST:
+                    manifest = json.loads(entry.read_text())
+                    manifest["config"]["output"] = str(output)
+                    write_manifest(output, manifest)
+                    entry.unlink()
+                else:
+                    os.replace(entry, output / entry.name)
+    except OSError as exc:
+        raise ExtractError(
+            f"--output {output}: swapping the complete replacement in failed ({exc.strerror or exc}); "
+            "fix the cause and rerun: the next run into the folder finishes the swap"
+        ) from None
+    try:  # (3) the output is complete now; a Ctrl-C here leaves the rest to the next run
+        shutil.rmtree(aside, ignore_errors=True)
+        shutil.rmtree(staged, ignore_errors=True)
+    except KeyboardInterrupt:
+        pass
     return read_manifest(output)
 
 
@@ -180,8 +206,17 @@ def prepare_output(
 
 
 def refuse_other_runs(output: Path, identity: dict, shard: tuple[int, int] | None) -> None:
-    """An unfinished run (or another shard) in `output` with other settings cannot be continued by this one."""
+    """An unfinished run (or another shard) in `output` with other settings cannot be continued by this one,
+    nor shards of another count share it (they would own the same rows)."""
     own = output / run_file(shard)
+    if shard is not None:
+        names = [p.name for p in [*output.glob(".eagle_extract_run.*-of-*.json"), *output.glob("shards/*-of-*.json")]]
+        counts = {int(m.group(1)) for m in (re.search(r"-of-(\d+)\.json$", n) for n in names) if m}
+        if counts - {shard[1]}:
+            raise shards.ShardError(
+                f"--output {output} holds shards of {min(counts - {shard[1]})} jobs; --shard {shard[0]}/{shard[1]} "
+                "would write rows they own: use their count"
+            )
     recorded = ([json.loads(own.read_text())] if own.exists() else []) + _other_identities(output, own)
     for previous in recorded:
         changed = [k for k in identity if previous.get(k) != identity[k]]
@@ -192,6 +227,51 @@ def refuse_other_runs(output: Path, identity: dict, shard: tuple[int, int] | Non
                 f"--output {output} holds an unfinished run with a different {k} "
                 f"({previous.get(k)!r}, now {identity[k]!r}); {fix}"
             )
+
+
+def kept_file_problem(path: Path, tokens: int, slots: int, hidden: int, legacy: bool) -> str | None:
+    """What a look at a row file's own header (no tensor read) finds wrong, as a power cut leaves it:
+    cut, emptied, its length other than its header says, or shapes other than the run's.  (Not the
+    dtype: with --dtype auto the engine's may differ from the config's, which the identity holds.)"""
+    try:
+        size = path.stat().st_size
+        if legacy:  # a torch.save zip: its directory, at the end, is the first thing a cut loses
+            with zipfile.ZipFile(path) as archive:
+                archive.infolist()
+            return None
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= size - 8:
+                return "cut inside its header"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return "unreadable"
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    try:
+        end = max(v["data_offsets"][1] for v in tensors.values())
+        shapes = {k: (v["shape"], v["dtype"]) for k, v in tensors.items()}
+    except (TypeError, KeyError, IndexError, ValueError):
+        return "header unreadable"
+    if size != 8 + n + end:
+        return f"{size} bytes, its header says {8 + n + end}"
+    if shapes.get("hidden_states", [None])[0] != [tokens, slots, hidden]:
+        return f"hidden_states {shapes.get('hidden_states')}, the run writes {[tokens, slots, hidden]}"
+    if shapes.get("token_ids") != ([tokens], "I64"):
+        return f"token_ids {shapes.get('token_ids')}, the run writes [{tokens}] I64"
+    return None
+
+
+def drop_damaged(output: Path, tokens: dict[int, int], slot_ids: list[int], hidden: int, legacy: bool) -> set[int]:
+    """Of the kept rows (row -> its token count), those whose file is not whole: a power cut can leave a
+    final name on a torn or empty file when the folder's entry reached the disk and the data did not.
+    Deleted, to be written again."""
+    damaged = set()
+    for i in sorted(tokens):
+        path = hidden_state_path(output, i, legacy)
+        if kept_file_problem(path, tokens[i], len(slot_ids), hidden, legacy):
+            path.unlink(missing_ok=True)
+            damaged.add(i)
+    return damaged
 
 
 def abandon_if_empty(output: Path, shard: tuple[int, int] | None) -> None:
@@ -304,8 +384,14 @@ def complete_shard(plan: Plan, samples, report, summary: dict, log) -> dict:
 
 
 def merge(output: Path) -> dict:
-    """Complete a sharded output once every shard has finished (`eagle-extract merge`)."""
+    """Complete a sharded output once every shard has finished (`eagle-extract merge`); refused while
+    a shard still runs."""
     output = Path(output)
+    with lock.holding(output):
+        return _merge(output)
+
+
+def _merge(output: Path) -> dict:
     if (output / MANIFEST).exists():
         raise ExtractError(f"{output} is already complete; check it with `eagle-extract verify {output}`")
     summary = shards.any_summary(output)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import CHOICES, ExtractConfig
-from .engine import check_engine_args, on_gpu, prepare_environment
+from .engine import check_engine_args, on_gpu
 from .errors import ExtractError
 
 
@@ -64,8 +64,8 @@ _WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 def check_weights(cfg: ExtractConfig) -> None:
     """A checkpoint folder without its weights fails deep inside vLLM, three tracebacks later: say so first."""
     folder = Path(cfg.model)
-    if not folder.is_dir() or cfg.engine_args.get("load_format") == "dummy":
-        return
+    if not folder.is_dir() or cfg.engine_args.get("load_format", "auto") not in ("auto", "safetensors", "pt"):
+        return  # dummy weights, or a format (tensorizer, runai, ...) that keeps them elsewhere
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -89,7 +89,8 @@ def load_tokenizer(cfg: ExtractConfig):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        source = cfg.engine_args.get("tokenizer") or cfg.model  # the engine's own, when it is given one
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except Exception as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         said = lines[-1][:200] if lines else type(exc).__name__
@@ -115,7 +116,6 @@ def check_options(cfg: ExtractConfig) -> None:
         )
     if cfg.host_memory is not None and cfg.host_memory <= 0:
         raise ExtractError(f"--host-memory {cfg.host_memory}: give the GiB of host memory captured states may hold")
-    prepare_environment(cfg.tp, cfg.pp, cfg.dtype)  # before the check below imports vLLM, which reads it
     check_engine_args(cfg.engine_args)
     if cfg.shard and cfg.overwrite:
         raise ExtractError(

@@ -23,7 +23,17 @@ from .errors import ExtractError
 from .hostmem import default_budget
 from .interrupts import stop_on_sigterm
 from .lock import REPLICA_ENV
-from .output import claimed, finish_run, identical_complete, merge, prepare_output, replace_complete, writing_folder
+from .output import (
+    already_complete,
+    claimed,
+    finish_run,
+    identical_complete,
+    log_name,
+    merge,
+    prepare_output,
+    replace_complete,
+    writing_folder,
+)
 from .plan import make_plan, plan_samples
 from .run import run
 from .runlog import progress
@@ -66,20 +76,21 @@ def run_replicas(cfg: ExtractConfig, log=print) -> dict:
     samples, _ = plan_samples(plan)
     output = Path(cfg.output)
     slices = device_slices(dp, cfg.tp, cfg.pp)
-    with claimed(output, None):  # the replicas hold their shards' locks under this one
+    with claimed(output, None) as lock_fd:  # the replicas hold their shards' locks under this one
         manifest = identical_complete(output, plan.identity, cfg.overwrite)
         if manifest:
-            log(f"{output} is already complete: this same extraction wrote it (check it with `eagle-extract verify`)")
+            log(already_complete(output))
             return manifest
         target = writing_folder(output, plan.identity, cfg.overwrite)
         prepare_output(target, plan.identity, cfg.overwrite and target == output)  # clears the folder once when asked
         finish_run(target, None)
-        _run_replicas(replace(cfg, output=target), slices, len(samples), log)
+        _run_replicas(replace(cfg, output=target), slices, len(samples), log, lock_fd)
         manifest = read_manifest(target) if (target / MANIFEST).exists() else merge(target)
         return replace_complete(target, output) if target != output else manifest
 
 
-def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log) -> None:
+def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log, lock_fd: int | None) -> None:
+    """Start the replicas, each handed the folder's lock (held while any of them lives), and watch them."""
     dp, output = cfg.dp, Path(cfg.output)
     (output / SHARDS_DIR).mkdir(exist_ok=True)
     procs = []
@@ -96,6 +107,7 @@ def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log) -> No
                         stdout=logfile,
                         stderr=subprocess.STDOUT,
                         preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)) if cores else None,
+                        pass_fds=() if lock_fd is None else (lock_fd,),
                     )
                 )
         log(f"{dp} replicas started ({', '.join(str(p.pid) for p in procs)}); logs in {output / SHARDS_DIR}")
@@ -106,8 +118,9 @@ def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log) -> No
                 if failed:
                     k = failed[0]
                     raise ExtractError(
-                        f"replica {k} failed ({_last_line(output / SHARDS_DIR / f'{k}-of-{dp}.log')}); "
-                        "every completed row is kept: rerun the same command to resume"
+                        f"replica {k} failed ({_last_line(output / SHARDS_DIR / f'{k}-of-{dp}.log')}; its run's "
+                        f"log: {output / log_name((k, dp))}); every completed row is kept: rerun the same command "
+                        "to resume"
                     )
                 if all(p.returncode == 0 for p in procs):
                     break

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from . import output as out
 from . import preflight, regenerate, shards
-from .checks import kept_file_problem
 from .config import ExtractConfig
 from .engine import start_engine
 from .errors import ExtractError, engine_errors
@@ -21,7 +20,7 @@ from .plan import Plan, make_plan, plan_samples
 from .runlog import RunLog, progress
 from .stages import PartJoiner, check_layout
 from .watch import EngineWatch
-from .writer import completed_rows, hidden_state_path
+from .writer import completed_rows
 
 
 def run(cfg: ExtractConfig, log=print) -> dict:
@@ -33,7 +32,7 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     with out.claimed(output, plan.shard):
         manifest = out.identical_complete(output, plan.identity, cfg.overwrite)
         if manifest:
-            log(f"{output} is already complete: this same extraction wrote it (check it with `eagle-extract verify`)")
+            log(out.already_complete(output))
             return manifest
         target = out.writing_folder(output, plan.identity, cfg.overwrite)
         staged = replace(cfg, output=target, overwrite=cfg.overwrite and target == output)
@@ -43,8 +42,9 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         try:
             with RunLog(log_path, log) as run_log:
                 result = _extract(replace(plan, cfg=staged), rows, run_log)
-        except ExtractError as exc:
-            raise ExtractError(f"{exc} (the run's log: {log_path})") from None
+        except ExtractError as exc:  # the same error (a DataError stays a ValueError), pointing at the log
+            exc.args = (f"{exc} (the run's log: {log_path})",)
+            raise
         return out.replace_complete(target, output) if target != output else result
 
 
@@ -86,7 +86,11 @@ def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog) -> dict:
     samples, report, mine, todo_tokens, expected_bytes, free = rows
     fresh = cfg.overwrite and not cfg.regenerate  # a regenerating run prepared (and cleared) the folder already
     done = out.prepare_output(output, plan.identity, fresh, plan.shard, mine)
-    damaged = _drop_damaged(plan, samples, done)
+    if done:
+        log(f"checking the {len(done)} row files an interrupted run wrote")
+    damaged = out.drop_damaged(
+        output, {i: len(samples[i].input_ids) for i in done}, plan.slot_ids, plan.shape.hidden_size, cfg.legacy
+    )
     done -= damaged
     todo = [(i, samples[i]) for i in sorted(mine - done)]
     part = f" (shard {cfg.shard}: {len(mine)} of them)" if plan.shard else ""
@@ -128,19 +132,6 @@ def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog) -> dict:
         return manifest
     summary = {"shard": cfg.shard, "identity": plan.identity, "config": cfg.record(), **this_run}
     return out.complete_shard(plan, samples, report, summary, log)
-
-
-def _drop_damaged(plan: Plan, samples: list, done: set[int]) -> set[int]:
-    """Kept rows whose file is not whole (a power cut can leave a final name on a torn file, or an empty
-    one, when the folder's entry reached the disk and the data did not): deleted, to be written again."""
-    cfg, slots, hidden = plan.cfg, len(plan.slot_ids), plan.shape.hidden_size
-    damaged = set()
-    for i in sorted(done):
-        path = hidden_state_path(Path(cfg.output), i, cfg.legacy)
-        if kept_file_problem(path, len(samples[i].input_ids), slots, hidden, cfg.legacy):
-            path.unlink(missing_ok=True)
-            damaged.add(i)
-    return damaged
 
 
 def _batches(items: list, size: int):

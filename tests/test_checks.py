@@ -241,7 +241,7 @@ def test_joined_pipeline_rows_record_every_slot_and_parts_are_checked(tmp_path):
 
 @pytest.mark.parametrize("legacy", [False, True])
 def test_a_resume_finds_what_a_power_cut_leaves_by_the_headers(tmp_path, legacy):
-    from eagle_extract.checks import kept_file_problem
+    from eagle_extract.output import kept_file_problem
 
     out, _ = make_output(tmp_path, legacy)
     path = hidden_state_path(out, 0, legacy)

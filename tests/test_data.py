@@ -100,6 +100,7 @@ def test_sharegpt_and_messages_agree(tokenizer):
         ({"text": "  "}, "empty 'text'"),
         ({"turns": "what?"}, "not a non-empty list"),
         ({"messages": [{"role": ["user"], "content": "hi"}]}, "a role is a list, expected one of"),
+        ({"messages": [{"role": None, "content": "hi"}]}, "a role is a NoneType, expected one of"),
         ({"input_ids": 5}, "'input_ids' is not a non-empty list"),
         ({"input_ids": [True, 2]}, "non-negative integers"),
         (
@@ -185,11 +186,13 @@ def test_utf8_is_checked_whole_not_by_its_first_mib(tmp_path, tokenizer):
     line0 = json.dumps({**GOOD, "pad": "x" * pad + "\u20ac"}, ensure_ascii=False).encode()
     assert line0.index("\u20ac".encode()) < (1 << 20) < line0.index("\u20ac".encode()) + 3
     bad = json.dumps(GOOD).encode().replace(b"Hello", b"Hel\xfflo")
-    path.write_bytes(line0 + b"\n" + bad + b"\n" + json.dumps(GOOD).encode() + b"\n")
+    good = json.dumps(GOOD).encode()
+    path.write_bytes(b"\n".join([good, bad, line0, bad, good]) + b"\n")  # bad lines inside the first MiB and after
     rows, skipped = _rows(path, tokenizer)
-    assert [r for r, _ in rows] == [0, 2]
+    assert [r for r, _ in rows] == [0, 2, 4]
     at = bad.index(b"\xff")
-    assert skipped == [(1, f"line is not UTF-8 text (byte {at} of the line)")]
+    why = f"line is not UTF-8 text (byte {at} of the line)"
+    assert skipped == [(1, why), (3, why)]
 
 
 def test_gzip_and_parquet_read_as_their_plain_source(tmp_path, tokenizer):

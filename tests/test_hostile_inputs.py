@@ -7,6 +7,7 @@ Each case is a row of the table in docs/errors.md. The cases that need a running
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from eagle_extract.config import ExtractConfig
@@ -16,6 +17,7 @@ from .common import SAMPLE_DATA
 from .conftest import run_cli
 
 DATA = str(SAMPLE_DATA / "sharegpt_dummy_conversations.json")
+RUN_ENV = {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_WORKER_MULTIPROC_METHOD", "TRITON_F32_DEFAULT"}
 
 
 def _write(path, text):
@@ -193,16 +195,22 @@ def test_every_hostile_input_gets_one_line_naming_the_fix(tmp_path, smollm2):
 
     from eagle_extract.cli import main
 
-    failures = []
-    for case, args, words in _cases(tmp_path, smollm2):
-        options = {"--model": str(smollm2), "--data": DATA, "--output": str(tmp_path / "out")}
-        pairs, flags = _split_flags(args)
-        options.update(pairs)
-        result = CliRunner().invoke(main, [x for pair in options.items() for x in pair] + flags)
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        if result.exit_code != 1 or len(lines) != 1 or words not in lines[0]:
-            failures.append(f"{case}: rc={result.exit_code} stderr={result.stderr[-400:]!r} ({result.exception!r})")
+    failures, environment = [], dict(os.environ)
+    try:
+        for case, args, words in _cases(tmp_path, smollm2):
+            options = {"--model": str(smollm2), "--data": DATA, "--output": str(tmp_path / "out")}
+            pairs, flags = _split_flags(args)
+            options.update(pairs)
+            result = CliRunner().invoke(main, [x for pair in options.items() for x in pair] + flags)
+            lines = [line for line in result.stderr.splitlines() if line.strip()]
+            if result.exit_code != 1 or len(lines) != 1 or words not in lines[0]:
+                failures.append(f"{case}: rc={result.exit_code} stderr={result.stderr[-400:]!r} ({result.exception!r})")
+        leaked = {k for k in RUN_ENV if os.environ.get(k) != environment.get(k)}  # a refused run sets none of them
+    finally:  # importing vLLM (to check engine arguments) sets variables of its own: none for the later tests
+        os.environ.clear()
+        os.environ.update(environment)
     assert not failures, "\n".join(failures)
+    assert not leaked, leaked
     assert not (tmp_path / "out").exists()  # nothing was created for any of them
 
 

@@ -30,34 +30,55 @@ def _complete(folder, rows: str, identity=IDENTITY):
     return folder
 
 
+def _holder(folder, shard=None) -> subprocess.Popen:
+    """Another process holding `folder`'s lock (a shard's when `shard`) until killed."""
+    code = "import sys, time\nfrom eagle_extract.lock import holding\n"
+    code += f"with holding(sys.argv[1], {shard!r}):\n    print(1, flush=True)\n    time.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "1\n"
+    return proc
+
+
+def _stop(*procs) -> None:
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
 def test_one_run_per_output_and_per_shard(tmp_path):
-    with holding(tmp_path):
-        with pytest.raises(ExtractError, match=rf"being written by another eagle-extract run \(pid {os.getpid()} on "):
+    whole = _holder(tmp_path)
+    try:
+        with pytest.raises(ExtractError, match=rf"being written by another eagle-extract run \(pid {whole.pid} on "):
+            with holding(tmp_path):
+                pass
+        with pytest.raises(ExtractError, match=f"pid {whole.pid}"):
+            with holding(tmp_path, (0, 2)):
+                pass
+    finally:
+        _stop(whole)
+    shard = _holder(tmp_path, (0, 2))
+    try:
+        with holding(tmp_path, (1, 2)):  # shards share the folder
+            pass
+        with pytest.raises(ExtractError, match=r"another eagle-extract run \(one or more --shard jobs\)"):
             with holding(tmp_path):
                 pass
         with pytest.raises(ExtractError, match="another eagle-extract run"):
             with holding(tmp_path, (0, 2)):
                 pass
-    with holding(tmp_path, (0, 2)), holding(tmp_path, (1, 2)):  # shards share the folder
-        with pytest.raises(ExtractError, match=r"another eagle-extract run \(one or more --shard jobs\)"):
-            with holding(tmp_path):
-                pass
-        with pytest.raises(ExtractError, match="another eagle-extract run"):
-            with holding(tmp_path, (1, 2)):
-                pass
-    assert (tmp_path / MAIN).read_text() == ""  # an unheld lock names nobody
+    finally:
+        _stop(shard)
+    with holding(tmp_path), holding(tmp_path):  # a run inside a repair: this process holds it already
+        pass
+    assert not (tmp_path / MAIN).exists()  # the last holder removes its lock file (a killed one cannot)
 
 
 def test_a_killed_holders_lock_does_not_block(tmp_path):
-    code = "import sys, time\nfrom eagle_extract.lock import holding\nwith holding(sys.argv[1]):\n"
-    code += "    print(1, flush=True)\n    time.sleep(60)"
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline() == "1\n"
+    proc = _holder(tmp_path)
     with pytest.raises(ExtractError, match=f"pid {proc.pid}"):
         with holding(tmp_path):
             pass
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    _stop(proc)
     assert f"pid {proc.pid}" in (tmp_path / MAIN).read_text()  # it left its name behind, and no hold
     with holding(tmp_path):
         pass
@@ -77,27 +98,48 @@ def test_overwrite_swaps_a_complete_replacement_in_and_keeps_the_users_files(tmp
     assert not (output / out.REPLACEMENT).exists() and not (output / out.REPLACED).exists()
 
 
-def test_a_swap_cut_halfway_is_finished_by_the_next_run(tmp_path):
+@pytest.mark.parametrize("cut", ["moving the old files aside", "moving the new ones in", "removing the old ones"])
+def test_a_swap_cut_anywhere_is_finished_by_the_next_run(tmp_path, cut):
     output = _complete(tmp_path / "o", "old")
     staged = _complete(output / out.REPLACEMENT, "new")
-    aside = output / out.REPLACED
-    aside.mkdir()
-    for name in (out.MANIFEST, "hidden_states", "token_freq.pt"):  # the old files moved aside ...
-        os.replace(output / name, aside / name)
-    os.replace(staged / "hidden_states", output / "hidden_states")  # ... and one new one moved in: then the cut
+    moving = output / f"{out.REPLACED}.tmp"
+    moving.mkdir()
+    os.replace(output / out.MANIFEST, moving / out.MANIFEST)  # the manifest goes first
+    if cut != "moving the old files aside":
+        for name in ("hidden_states", "token_freq.pt"):
+            os.replace(output / name, moving / name)
+        os.replace(moving, output / out.REPLACED)
+        os.replace(staged / "hidden_states", output / "hidden_states")
+    if cut == "removing the old ones":
+        os.replace(staged / "token_freq.pt", output / "token_freq.pt")
+        (output / out.MANIFEST).write_text((staged / out.MANIFEST).read_text())
+        (staged / out.MANIFEST).unlink()
     with out.claimed(output, None):
         pass
     manifest = json.loads((output / out.MANIFEST).read_text())
     assert manifest["rows"] == "new" and (output / "token_freq.pt").read_text() == "new"
-    assert sorted(p.name for p in output.iterdir()) == [MAIN, out.MANIFEST, "hidden_states", "token_freq.pt"]
+    assert (output / "hidden_states" / "hs_0.safetensors").read_text() == "new"
+    assert sorted(p.name for p in output.iterdir()) == [out.MANIFEST, "hidden_states", "token_freq.pt"]
+
+
+def test_shards_leave_a_cut_swap_to_an_unsharded_run(tmp_path):
+    output = _complete(tmp_path / "o", "old")
+    _complete(output / out.REPLACEMENT, "new")
+    with pytest.raises(ExtractError, match="an --overwrite run was cut while swapping its replacement in"):
+        with out.claimed(output, (0, 2)):
+            pass
 
 
 def test_an_unfinished_replacement_resumes_or_starts_over(tmp_path):
     output = _complete(tmp_path / "o", "old")
     staged = output / out.REPLACEMENT
-    staged.mkdir()
+    (staged / "shards").mkdir(parents=True)
     (staged / out.RUN_FILE).write_text(json.dumps(IDENTITY))
     (staged / "kept").write_text("")
+    assert out.writing_folder(output, IDENTITY, overwrite=True) == staged and (staged / "kept").exists()
+    (staged / out.RUN_FILE).unlink()  # a --dp replacement: its replicas' records, not the parent's
+    (staged / ".eagle_extract_run.1-of-2.json").write_text(json.dumps(IDENTITY))
+    (staged / "shards" / "0-of-2.json").write_text(json.dumps({"identity": IDENTITY}))
     assert out.writing_folder(output, IDENTITY, overwrite=True) == staged and (staged / "kept").exists()
     assert out.writing_folder(output, {**IDENTITY, "model": "other"}, overwrite=True) == staged
     assert not (staged / "kept").exists()
