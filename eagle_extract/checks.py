@@ -23,6 +23,7 @@ import torch
 from .config import LEGACY
 from .fp8 import FP8, SCALES
 from .layers import LayerError, legacy_layer_ids, parse_layer_ids
+from .runlog import counting
 from .writer import (
     CHECKSUM,
     HIDDEN_DIR,
@@ -280,7 +281,6 @@ def repairable(row: int | None, problem: str) -> bool:
 def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None, str]]:
     """Every problem found, as (row or None, what is wrong)."""
     from datasets import load_from_disk
-    from tqdm import tqdm
 
     output = Path(output)
     if not (output / MANIFEST).exists():
@@ -303,7 +303,7 @@ def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None,
         want = layer_ids_text(m["slot_layer_ids"])
     ids_all, masks_all, tokens = [], [], 0
     held, recorded = {}, 0  # rows recording other layer ids than the manifest's; rows recording any
-    for i in tqdm(range(len(rows)), desc="verify", unit="row", disable=not progress):
+    for i in counting(len(rows), "verify", "row", show=progress):
         row = rows[i]
         ids_all.append(row["input_ids"].tolist())
         masks_all.append(row["loss_mask"].tolist())

@@ -133,6 +133,17 @@ class _Lines:
         self._print()
 
 
+def counting(total: int, desc: str, unit: str, show: bool = True):
+    """range(total), its progress shown as progress() shows it (not at all unless `show`)."""
+    if not show:
+        yield from range(total)
+        return
+    with progress(total, desc, unit) as bar:
+        for i in range(total):
+            yield i
+            bar.update(1)
+
+
 def progress(total: int, desc: str, unit: str, initial: int = 0, every: float = 30.0):
     """A progress display for `total` units on the terminal: tqdm's bar, or plain periodic lines where
     stderr is not a terminal (a batch scheduler's log)."""

@@ -253,3 +253,30 @@ def test_a_resume_finds_what_a_power_cut_leaves_by_the_headers(tmp_path, legacy)
     if not legacy:  # a whole file of another run's shape
         path.write_bytes(whole)
         assert "the run writes [5, 4, 16]" in kept_file_problem(path, 5, len(SLOTS), 16, legacy)
+
+
+def _verify_cli(out) -> tuple[int, list[str]]:
+    from click.testing import CliRunner
+
+    from eagle_extract.cli import main
+
+    result = CliRunner().invoke(main, ["verify", str(out)])
+    return result.exit_code, [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def test_verify_says_one_line_and_offers_no_repair_it_cannot_do(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _verify_cli(empty) == (1, ["Error: no eagle_extract.json: not an eagle-extract output"])
+    out, manifest = make_output(tmp_path)
+    (out / "eagle_extract.json").write_text("{oops")
+    rc, lines = _verify_cli(out)
+    assert rc == 1 and len(lines) == 1 and "is not valid JSON" in lines[0] and "--repair" not in lines[0], lines
+    write_manifest(out, {**manifest, "aux_layer_ids": [2, 14, 27]})
+    rc, lines = _verify_cli(out)
+    assert rc == 1 and "--repair" not in lines[-1] and "rerun the extraction with --overwrite" in lines[-1], lines
+    write_manifest(out, manifest)
+    flip_a_bit(hidden_state_path(out, 1))
+    rc, lines = _verify_cli(out)
+    assert rc == 1 and lines[-2].startswith("row 1: bytes changed") and "verify --repair" in lines[-1], lines
+    assert lines[0].endswith("verify: 3/3 rows")  # plain progress where stderr is not a terminal
