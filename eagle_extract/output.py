@@ -85,7 +85,7 @@ def claimed(output: Path, shard: tuple[int, int] | None):
     files or another run is writing it.  Finishes a swap that an interrupted --overwrite left."""
     output = Path(output)
     if output.is_dir() and any(output.iterdir()):
-        marks = [output / MANIFEST, output / LOG, *output.glob(".eagle_extract*")]
+        marks = [output / MANIFEST, output / LOG, *output.glob("eagle_extract.*.log"), *output.glob(".eagle_extract*")]
         marks += output.glob(f"{shards.SHARDS_DIR}/*-of-*")
         if not any(m.exists() for m in marks):
             raise ExtractError(

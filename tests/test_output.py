@@ -175,6 +175,14 @@ def test_a_run_that_wrote_nothing_leaves_no_record(tmp_path):
     assert (tmp_path / out.RUN_FILE).exists()
 
 
+def test_a_folder_with_only_a_failed_shards_log_is_ours(tmp_path):
+    for name in ("eagle_extract.0-of-2.log", "eagle_extract.log"):  # a run that failed before writing a row
+        (tmp_path / name).write_text("")
+        with out.claimed(tmp_path, (0, 2)):
+            pass
+        (tmp_path / name).unlink()
+
+
 def test_a_folder_of_someone_elses_files_is_left_alone(tmp_path):
     (tmp_path / "state.json").write_text("{}")  # one of our names, but no sign of a run of ours
     with pytest.raises(ExtractError, match="not an eagle-extract output; choose an empty folder"):
