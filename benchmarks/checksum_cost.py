@@ -5,8 +5,10 @@
 A row is [tokens, 4, 7168] bfloat16 (57 KB a token, 57 MB for 1,000 tokens).  Prints:
 - the hash alone, GB/s in all, on each --threads count (each thread hashing its own row);
 - writing rows to --dir (the disk: every file fsynced, as the writer does) with the checksum and
-  without it, alternated, median of --reps, and their ratio; --dir on a tmpfs gives the cost
-  without a disk.
+  without it, alternated, median of --reps, and their ratio: one row at a time (a row's latency:
+  the hash runs before its write), then --writers threads writing 4 rows each at once (the
+  writer's throughput, where one thread's hash overlaps the others' writes); --dir on a tmpfs
+  gives the cost without a disk.
 """
 
 from __future__ import annotations
@@ -53,10 +55,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts for the hash alone")
+    ap.add_argument("--writers", type=int, default=2, help="writer threads for the throughput comparison")
     args = ap.parse_args()
     counts = [int(n) for n in args.threads.split(",")]
     torch.manual_seed(0)
-    rows = [torch.randn(args.tokens, 4, 7168).to(torch.bfloat16) for _ in range(max(counts))]
+    rows = [torch.randn(args.tokens, 4, 7168).to(torch.bfloat16) for _ in range(max(counts + [args.writers]))]
     ids = list(range(args.tokens))
     print(f"row: {tuple(rows[0].shape)} bfloat16, {rows[0].nbytes / 1e6:.1f} MB")
     rates = ", ".join(f"{n} thread(s) {_hash_rate(rows[:n], args.reps):.2f} GB/s" for n in counts)
@@ -72,10 +75,43 @@ def main() -> None:
             t0 = time.perf_counter()
             _write_plain(folder / "hidden_states", 1000 + rep, rows[0], ids)
             without.append(rows[0].nbytes / (time.perf_counter() - t0) / 1e9)
-        a, b = statistics.median(with_sum), statistics.median(without)
-        ratios = statistics.median(x / y for x, y in zip(with_sum, without))
-        print(f"row write, fsynced, in {args.dir or tempfile.gettempdir()}: with checksum {a:.2f} GB/s, "
-              f"without {b:.2f} GB/s; with/without {ratios:.3f} (median of per-repetition ratios)")  # fmt: skip
+        _report("one row at a time", args, with_sum, without)
+        with_sum, without = [], []
+        for rep in range(args.reps):
+            with_sum.append(_parallel(folder, rows[: args.writers], ids, rep, checked=True))
+            without.append(_parallel(folder, rows[: args.writers], ids, rep, checked=False))
+        _report(f"{args.writers} writer threads, 4 rows each", args, with_sum, without)
+
+
+def _parallel(folder: Path, rows: list[torch.Tensor], ids: list[int], rep: int, checked: bool) -> float:
+    """GB/s of len(rows) threads each writing its row four times, as the background writer's threads do."""
+
+    def write(k: int) -> None:
+        for j in range(4):
+            index = 10_000 * (2 + rep) + 100 * k + j + (50 if checked else 0)
+            if checked:
+                write_hidden_states(folder, index, rows[k], ids, layer_ids=[2, 30, 58, 61])
+            else:
+                _write_plain(folder / "hidden_states", index, rows[k], ids)
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in range(len(rows))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    for path in (folder / "hidden_states").glob(f"hs_{10_000 * (2 + rep)}*"):
+        path.unlink()
+    return 4 * sum(r.nbytes for r in rows) / seconds / 1e9
+
+
+def _report(what: str, args, with_sum: list[float], without: list[float]) -> None:
+    a, b = statistics.median(with_sum), statistics.median(without)
+    ratio = statistics.median(x / y for x, y in zip(with_sum, without))
+    where = args.dir or tempfile.gettempdir()
+    print(f"row writes, fsynced, in {where}, {what}: with checksum {a:.2f} GB/s, without {b:.2f} GB/s; "
+          f"with/without {ratio:.3f} (median of per-repetition ratios, {args.reps} repetitions)")  # fmt: skip
 
 
 if __name__ == "__main__":

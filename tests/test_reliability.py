@@ -45,33 +45,6 @@ def test_clean_output_verifies(tiny_tp1_out):
     assert "passes every check" in proc.stdout
 
 
-def test_sigkill_and_a_power_cut_then_rerun_equals_uninterrupted_run(
-    tmp_path, tiny_llama, mixed_conversations, tiny_tp1_out
-):
-    """A killed run, then what a power cut can do to files whose names reached the disk before their
-    bytes did: a file cut short, one emptied, one cut inside its header.  The rerun finds them by their
-    headers and writes them again."""
-    out = tmp_path / "killed"
-    args = _tiny_args(tiny_llama, mixed_conversations, out, "--batch-size", "1")
-    proc = _start(args, tmp_path / "log")
-    _wait_for(lambda: len(list((out / "hidden_states").glob("hs_*.safetensors"))) >= 4)
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver, its engine core and its workers
-    proc.wait()
-    kept = sorted((out / "hidden_states").glob("hs_*.safetensors"))
-    assert 4 <= len(kept) < 24 and not (out / "eagle_extract.json").exists(), len(kept)
-    kept[0].write_bytes(kept[0].read_bytes()[: kept[0].stat().st_size - 100])  # cut short
-    kept[1].write_bytes(b"")  # emptied
-    kept[2].write_bytes(kept[2].read_bytes()[:20])  # cut inside its header
-    result = run_cli(*args)
-    whole = len(kept) - 3
-    assert f"resuming, {whole} rows already written (3 damaged files are written again)" in result.stdout
-    manifest = read_manifest(out)
-    assert manifest["resumed_rows"] == whole and manifest["redone_rows"] == 3
-    assert "3 damaged files written again" in result.stdout
-    _assert_same_output(out, tiny_tp1_out)
-    assert verify(out).ok
-
-
 def _damage(out):
     """Break rows 0-3 four different ways, add a stray file; return {row: expected words}."""
     p0 = hidden_state_path(out, 0)
@@ -198,11 +171,14 @@ def test_a_dead_worker_is_reported_not_waited_for(tmp_path, tiny_llama, mixed_co
     assert proc.returncode == 1 and "the vLLM engine failed" in last and "resume" in last, last
 
 
-def test_one_output_folder_through_a_failure_a_rival_a_rerun_and_overwrites(tmp_path, tiny_llama, mixed_conversations):
-    """Two real runs of one command with --batch-size 1, the second by --overwrite, around the misuse an
-    output folder meets.  One request per generate call fixes vLLM's batch composition, so the two runs'
-    bytes are equal (batched runs can differ in the last bits: the engine core may start stepping
-    before all of a call's requests have arrived; see docs/benchmarks.md)."""
+def test_one_output_folder_through_a_failure_a_rival_a_kill_a_power_cut_a_rerun_and_overwrites(
+    tmp_path, tiny_llama, mixed_conversations, tiny_tp1_out
+):
+    """The misuse and accidents one output folder meets, in the order a user would meet them, on real
+    runs of one command with --batch-size 1.  One request per generate call fixes vLLM's batch
+    composition, so the --overwrite run's bytes equal the resumed run's (batched runs can differ in
+    the last bits: the engine core may start stepping before all of a call's requests have arrived;
+    see docs/benchmarks.md)."""
     out = tmp_path / "o"
     args = _tiny_args(tiny_llama, mixed_conversations, out, "--batch-size", "1")
     failing = ["--engine-arg", "max_num_seqs=0"]  # passes the checks, then vLLM refuses it while starting
@@ -213,22 +189,39 @@ def test_one_output_folder_through_a_failure_a_rival_a_rerun_and_overwrites(tmp_
     assert "max_num_seqs" in proc.stderr and not (out / RUN_FILE).exists()
     assert "Traceback" in (out / LOG).read_text()  # the whole story is in the run's log
 
-    # a second run into the folder is refused while the first one runs
+    # a second run into the folder is refused while the first one runs ...
     first = _start(args, tmp_path / "first.log")
     try:
         _wait_for(lambda: (out / MAIN).exists() and (out / MAIN).read_text())
         rival = run_cli(*args, check=False)
+        _wait_for(lambda: len(list((out / "hidden_states").glob("hs_*.safetensors"))) >= 4)
     finally:
-        first.wait(timeout=300)
+        os.killpg(first.pid, signal.SIGKILL)  # ... which then dies with its engine core and workers
+        first.wait()
     lines = [line for line in rival.stderr.splitlines() if line.strip()]
     assert rival.returncode == 1 and len(lines) == 1, rival.stderr
     assert f"is being written by another eagle-extract run (pid {first.pid} on" in lines[0]
-    shown = first.log.read_text().splitlines()
-    assert first.returncode == 0 and shown[-1].startswith("train on it: speculators train"), shown[-5:]
+
+    # what a power cut can do to files whose names reached the disk before their bytes did
+    kept = sorted((out / "hidden_states").glob("hs_*.safetensors"))
+    assert 4 <= len(kept) < 24 and not (out / "eagle_extract.json").exists(), len(kept)
+    kept[0].write_bytes(kept[0].read_bytes()[: kept[0].stat().st_size - 100])  # cut short
+    kept[1].write_bytes(b"")  # emptied
+    kept[2].write_bytes(kept[2].read_bytes()[:20])  # cut inside its header
+
+    # the rerun finds them by their headers, writes them again, and shows only its own lines
+    resumed = run_cli(*args)
+    whole = len(kept) - 3
+    assert f"resuming, {whole} rows already written (3 damaged files are written again)" in resumed.stdout
+    assert read_manifest(out)["resumed_rows"] == whole and read_manifest(out)["redone_rows"] == 3
+    shown = (resumed.stdout + resumed.stderr).splitlines()
+    assert resumed.stdout.splitlines()[-1].startswith("train on it: speculators train"), shown[-5:]
     assert not [line for line in shown if "WARNING" in line or "EngineCore" in line]  # only our lines ...
     assert "(EngineCore pid=" in (out / LOG).read_text()  # ... and the engine's in the run's log
-    kept = tmp_path / "first"
-    shutil.copytree(out, kept)
+    _assert_same_output(out, tiny_tp1_out)
+    assert verify(out).ok
+    first_run = tmp_path / "first"
+    shutil.copytree(out, first_run)
 
     # rerunning the finished command has nothing to do
     again = run_cli(*args)
@@ -241,8 +234,8 @@ def test_one_output_folder_through_a_failure_a_rival_a_rerun_and_overwrites(tmp_
     run_cli(*args, "--overwrite")
     assert verify(out).ok and (out / "notes.txt").read_text() == "mine" and not (out / REPLACEMENT).exists()
     assert read_manifest(out)["config"]["output"] == str(out)
-    for i in range(read_manifest(kept)["num_samples"]):
-        a, b = load_row(kept, i), load_row(out, i)
+    for i in range(read_manifest(first_run)["num_samples"]):
+        a, b = load_row(first_run, i), load_row(out, i)
         assert torch.equal(a["token_ids"], b["token_ids"])
         assert torch.equal(a["hidden_states"], b["hidden_states"])
 
