@@ -97,6 +97,11 @@ def _template_marks(tokenizer, messages: list[dict]) -> tuple[list[int], list[in
 def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     if _GENERATION_MARK.search(tokenizer.chat_template or ""):
         return _template_marks(tokenizer, messages)
+    if not getattr(tokenizer, "is_fast", True):
+        raise DataError(
+            "the model's tokenizer is a slow (Python) one, which cannot map tokens to text offsets, and its chat "
+            "template has no {% generation %} marks: give the checkpoint a tokenizer.json, or use token rows"
+        )
     text, spans = assistant_char_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [0] * len(enc["input_ids"])

@@ -37,6 +37,9 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+_PER_RUN = ("TRITON_F32_DEFAULT", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")  # set for one engine
+
+
 def prepare_environment(tp: int, pp: int, dtype: str = "auto") -> None:
     """Set the environment vLLM needs here before it is imported; user settings win."""
     _quiet_vllm()
@@ -148,16 +151,24 @@ def _vllm_version() -> str:
 def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
     """vllm.LLM for `cfg`: the options that are engine arguments, --engine-arg, and FIXED_ARGS."""
     extra = cfg.engine_kwargs()  # checked by preflight.check_options
+    before = {k: os.environ.get(k) for k in _PER_RUN}
     prepare_environment(cfg.tp, cfg.pp, cfg.dtype)
     from vllm import LLM
 
-    return LLM(
-        model=cfg.model,
-        tensor_parallel_size=cfg.tp,
-        pipeline_parallel_size=cfg.pp,
-        dtype=cfg.dtype,
-        max_model_len=max_model_len,
-        trust_remote_code=cfg.trust_remote_code,
-        **FIXED_ARGS,
-        **extra,
-    )
+    try:
+        return LLM(
+            model=cfg.model,
+            tensor_parallel_size=cfg.tp,
+            pipeline_parallel_size=cfg.pp,
+            dtype=cfg.dtype,
+            max_model_len=max_model_len,
+            trust_remote_code=cfg.trust_remote_code,
+            **FIXED_ARGS,
+            **extra,
+        )
+    finally:  # the engine's processes have them now; the next run in this process sets its own
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

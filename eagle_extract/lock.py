@@ -27,6 +27,7 @@ MAIN = ".eagle_extract.lock"
 REPLICA_ENV = "EAGLE_EXTRACT_REPLICA_OF"  # set by a --dp parent for its replicas, which share its lock
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
 _held: dict[str, int] = {}  # the locks this process holds: path -> fd, so a run inside a repair nests
+_unlocked: set[str] = set()  # outputs already warned about
 
 
 def shard_lock(shard: tuple[int, int]) -> str:
@@ -57,9 +58,11 @@ def _acquire(path: Path, exclusive: bool, output: Path) -> int | None:
             os.close(fd)
             if exc.errno not in _NO_FLOCK:
                 raise
-            from .runlog import terminal
+            if str(output) not in _unlocked:
+                from .runlog import terminal
 
-            print(f"warning: {output}'s filesystem has no file locks; run one job per output", file=terminal())
+                print(f"warning: {output}'s filesystem has no file locks; run one job per output", file=terminal())
+                _unlocked.add(str(output))
             return None
         try:
             if os.path.samestat(os.fstat(fd), os.stat(path)):
@@ -80,7 +83,8 @@ def _acquire(path: Path, exclusive: bool, output: Path) -> int | None:
 def _release(path: Path, fd: int) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # alone on it (shards share the main lock)
-        path.unlink(missing_ok=True)
+        if os.path.samestat(os.fstat(fd), os.stat(path)):  # and it is still the file at that path
+            path.unlink()
     except OSError:
         pass
     finally:

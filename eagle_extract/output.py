@@ -48,11 +48,21 @@ def run_file(shard: tuple[int, int] | None) -> str:
 
 def _other_identities(output: Path, own: Path | None = None) -> list[dict]:
     """Identities recorded by the jobs (shards) writing into `output`, but for the run file `own`."""
-    found = [json.loads(f.read_text()) for f in output.glob(".eagle_extract_run*.json") if f != own]
+    found = [_record(f) for f in output.glob(".eagle_extract_run*.json") if f != own]
     folder = output / shards.SHARDS_DIR
     if folder.is_dir():
-        found += [json.loads(f.read_text())["identity"] for f in folder.glob("*-of-*.json")]
+        found += [_record(f).get("identity") for f in folder.glob("*-of-*.json")]
     return found
+
+
+def _record(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        record = None
+    if not isinstance(record, dict):  # a power cut can empty a record written just before it
+        raise ExtractError(f"{path} is unreadable; rerun with --overwrite to start {path.parent} over")
+    return record
 
 
 def _sweep(output: Path, rows: set[int] | None) -> None:
@@ -209,7 +219,7 @@ def refuse_other_runs(output: Path, identity: dict, shard: tuple[int, int] | Non
     """An unfinished run (or another shard) in `output` with other settings cannot be continued by this one,
     nor shards of another count share it (they would own the same rows)."""
     own = output / run_file(shard)
-    if shard is not None:
+    if shard is not None and os.environ.get(lock.REPLICA_ENV) is None:  # a --dp parent cleared other counts
         names = [p.name for p in [*output.glob(".eagle_extract_run.*-of-*.json"), *output.glob("shards/*-of-*.json")]]
         counts = {int(m.group(1)) for m in (re.search(r"-of-(\d+)\.json$", n) for n in names) if m}
         if counts - {shard[1]}:
@@ -217,7 +227,7 @@ def refuse_other_runs(output: Path, identity: dict, shard: tuple[int, int] | Non
                 f"--output {output} holds shards of {min(counts - {shard[1]})} jobs; --shard {shard[0]}/{shard[1]} "
                 "would write rows they own: use their count"
             )
-    recorded = ([json.loads(own.read_text())] if own.exists() else []) + _other_identities(output, own)
+    recorded = ([_record(own)] if own.exists() else []) + _other_identities(output, own)
     for previous in recorded:
         changed = [k for k in identity if previous.get(k) != identity[k]]
         if changed:
@@ -272,6 +282,14 @@ def drop_damaged(output: Path, tokens: dict[int, int], slot_ids: list[int], hidd
             path.unlink(missing_ok=True)
             damaged.add(i)
     return damaged
+
+
+def forget_other_counts(output: Path, count: int) -> None:
+    """A --dp run resumed with another count: the earlier replicas' records go (their rows stay, whoever
+    wrote them); the parent holds the folder alone."""
+    for path in [*output.glob(".eagle_extract_run.*-of-*.json"), *output.glob(f"{shards.SHARDS_DIR}/*-of-*.json")]:
+        if not path.name.endswith(f"-of-{count}.json"):
+            path.unlink()
 
 
 def abandon_if_empty(output: Path, shard: tuple[int, int] | None) -> None:
@@ -417,8 +435,13 @@ def reopen(output: Path, rows: list[int]) -> ExtractConfig:
     config, whose rerun rewrites just those rows."""
     output = Path(output)
     manifest = read_manifest(output)
+    if not isinstance(manifest.get("identity"), dict) or not isinstance(manifest.get("config"), dict):
+        raise ExtractError(
+            f"{output}'s manifest, from an earlier eagle-extract, records no run to repeat; rerun the "
+            "extraction with --overwrite"
+        )
     for i in rows:
-        hidden_state_path(output, i, manifest["format"] == LEGACY).unlink(missing_ok=True)
+        hidden_state_path(output, i, manifest.get("format") == LEGACY).unlink(missing_ok=True)
     write_json(output / RUN_FILE, manifest["identity"])  # the output is an unfinished run again ...
     (output / MANIFEST).unlink()  # ... and no longer looks complete
     return ExtractConfig.from_options(**{**manifest["config"], "output": output, "shard": None})

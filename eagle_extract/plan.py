@@ -62,6 +62,7 @@ def identity(cfg: ExtractConfig, shape: ModelShape, aux_ids: list[int]) -> dict:
     """What a resumed run must share with the run it continues."""
     return {
         "model": str(Path(cfg.model).resolve()),
+        "tokenizer": cfg.engine_args.get("tokenizer"),  # another tokenizer, other tokens
         "data_sha256": sha256(Path(cfg.data)),
         "data_format": cfg.data_format,
         "aux_layer_ids": aux_ids,

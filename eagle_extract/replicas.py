@@ -27,6 +27,7 @@ from .output import (
     already_complete,
     claimed,
     finish_run,
+    forget_other_counts,
     identical_complete,
     log_name,
     merge,
@@ -84,6 +85,7 @@ def run_replicas(cfg: ExtractConfig, log=print) -> dict:
         target = writing_folder(output, plan.identity, cfg.overwrite)
         prepare_output(target, plan.identity, cfg.overwrite and target == output)  # clears the folder once when asked
         finish_run(target, None)
+        forget_other_counts(target, dp)
         _run_replicas(replace(cfg, output=target), slices, len(samples), log, lock_fd)
         manifest = read_manifest(target) if (target / MANIFEST).exists() else merge(target)
         return replace_complete(target, output) if target != output else manifest
@@ -117,10 +119,11 @@ def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log, lock_
                 failed = [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]
                 if failed:
                     k = failed[0]
+                    last = _last_line(output / SHARDS_DIR / f"{k}-of-{dp}.log")
+                    if "the run's log" not in last:  # killed before it could say where its log is
+                        last += f"; its run's log: {output / log_name((k, dp))}"
                     raise ExtractError(
-                        f"replica {k} failed ({_last_line(output / SHARDS_DIR / f'{k}-of-{dp}.log')}; its run's "
-                        f"log: {output / log_name((k, dp))}); every completed row is kept: rerun the same command "
-                        "to resume"
+                        f"replica {k} failed ({last}); every completed row is kept: rerun the same command to resume"
                     )
                 if all(p.returncode == 0 for p in procs):
                     break
@@ -129,8 +132,12 @@ def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log, lock_
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for p in procs:
-            p.wait()
+        for p in procs:  # the folder's lock is theirs too: it is released only when they are gone
+            while p.poll() is None:
+                try:
+                    p.wait()
+                except KeyboardInterrupt:  # a second Ctrl-C: stop them harder, still wait
+                    p.kill()
 
 
 def _replica(config_json: str) -> int:

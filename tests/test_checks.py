@@ -280,3 +280,14 @@ def test_verify_says_one_line_and_offers_no_repair_it_cannot_do(tmp_path):
     rc, lines = _verify_cli(out)
     assert rc == 1 and lines[-2].startswith("row 1: bytes changed") and "verify --repair" in lines[-1], lines
     assert lines[0].endswith("verify: 3/3 rows")  # plain progress where stderr is not a terminal
+
+
+def test_repair_refuses_an_earlier_manifest_before_deleting_anything(tmp_path):
+    from eagle_extract import repair
+    from eagle_extract.errors import ExtractError
+
+    out, manifest = make_output(tmp_path)
+    write_manifest(out, {k: v for k, v in manifest.items() if k not in ("identity", "config")})
+    with pytest.raises(ExtractError, match="records no run to repeat; rerun the extraction with --overwrite"):
+        repair(out, [0])
+    assert hidden_state_path(out, 0).exists() and (out / "eagle_extract.json").exists()

@@ -243,3 +243,12 @@ def test_a_template_that_raises_skips_its_row(tmp_path, tokenizer):
     rows, skipped = _rows(path, picky)
     assert [r for r, _ in rows] == [0]
     assert skipped == [(1, "the chat template cannot render this row (TemplateError: no boom here)")]
+
+
+def test_a_slow_tokenizer_without_generation_marks_is_one_line(tmp_path, smollm2):
+    slow = AutoTokenizer.from_pretrained(smollm2, use_fast=False)
+    assert not slow.is_fast
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n")
+    with pytest.raises(DataError, match="tokenizer is a slow .* give the checkpoint a tokenizer.json"):
+        load_samples(path, slow, 512)

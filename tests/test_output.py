@@ -189,3 +189,20 @@ def test_a_folder_of_someone_elses_files_is_left_alone(tmp_path):
         with out.claimed(tmp_path, None):
             pass
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_a_run_record_a_power_cut_emptied_is_one_line(tmp_path):
+    (tmp_path / out.RUN_FILE).write_text("")
+    with pytest.raises(ExtractError, match=r"\.eagle_extract_run\.json is unreadable; rerun with --overwrite"):
+        out.prepare_output(tmp_path, IDENTITY, overwrite=False)
+
+
+def test_a_dp_run_resumed_with_another_count_forgets_the_old_replicas_records(tmp_path):
+    (tmp_path / "shards").mkdir()
+    for name in (".eagle_extract_run.1-of-8.json", "shards/0-of-8.json", "shards/0-of-4.json", "shards/0-of-4.log"):
+        (tmp_path / name).write_text(json.dumps({"identity": IDENTITY}))
+    out.forget_other_counts(tmp_path, 4)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == [
+        "shards/0-of-4.json",
+        "shards/0-of-4.log",
+    ]

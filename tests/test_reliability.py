@@ -146,19 +146,6 @@ def _finish(proc, timeout=120):
     return lines[-1]
 
 
-def test_sigterm_leaves_a_resumable_output(tmp_path, tiny_llama, mixed_conversations):
-    args = _tiny_args(tiny_llama, mixed_conversations, tmp_path / "o", "--batch-size", "1")
-    out = tmp_path / "o"
-    proc = _start(args, tmp_path / "log")
-    _wait_for(lambda: list((out / "hidden_states").glob("hs_*.safetensors")))
-    proc.send_signal(signal.SIGTERM)  # the driver only, as a batch scheduler would
-    last = _finish(proc)
-    assert proc.returncode == 1 and "interrupted" in last and "rerun the same command to resume" in last, last
-    assert (out / RUN_FILE).exists() and not (out / "eagle_extract.json").exists()
-    for path in (out / "hidden_states").glob("hs_*.safetensors"):  # a final name only ever holds a whole file
-        assert load_file(str(path))["hidden_states"].shape[1:] == (3, 128)
-
-
 def test_a_dead_worker_is_reported_not_waited_for(tmp_path, tiny_llama, mixed_conversations):
     args = _tiny_args(tiny_llama, mixed_conversations, tmp_path / "o", "--batch-size", "1")
     proc = _start(args, tmp_path / "log")
@@ -176,7 +163,7 @@ def test_one_output_folder_through_a_failure_a_rival_a_kill_a_power_cut_a_rerun_
 ):
     """The misuse and accidents one output folder meets, in the order a user would meet them, on real
     runs of one command with --batch-size 1.  One request per generate call fixes vLLM's batch
-    composition, so the --overwrite run's bytes equal the resumed run's (batched runs can differ in
+    composition, so the resumed --overwrite run's bytes equal the first resumed run's (batched runs can differ in
     the last bits: the engine core may start stepping before all of a call's requests have arrived;
     see docs/benchmarks.md)."""
     out = tmp_path / "o"
@@ -227,11 +214,20 @@ def test_one_output_folder_through_a_failure_a_rival_a_kill_a_power_cut_a_rerun_
     again = run_cli(*args)
     assert "is already complete" in again.stdout and again.stdout.splitlines()[-1].startswith("train on it:")
 
-    # --overwrite keeps the complete output, and the user's own files, until its replacement is complete
+    # --overwrite keeps the complete output, and the user's own files, until its replacement is complete:
+    # a scheduler's SIGTERM stops the replacement, which the same command then resumes
     (out / "notes.txt").write_text("mine")
-    proc = run_cli(*args, "--overwrite", *failing, check=False)
-    assert proc.returncode == 1 and verify(out).ok and (out / "notes.txt").read_text() == "mine"
-    run_cli(*args, "--overwrite")
+    replacing = _start([*args, "--overwrite"], tmp_path / "replacing.log")
+    staged = out / REPLACEMENT / "hidden_states"
+    _wait_for(lambda: list(staged.glob("hs_*.safetensors")))
+    replacing.send_signal(signal.SIGTERM)  # the driver only, as a batch scheduler would
+    last = _finish(replacing)
+    assert replacing.returncode == 1 and "interrupted" in last and "rerun the same command to resume" in last, last
+    assert (out / REPLACEMENT / RUN_FILE).exists() and verify(out).ok and (out / "notes.txt").read_text() == "mine"
+    for path in staged.glob("hs_*.safetensors"):  # a final name only ever holds a whole file
+        assert load_file(str(path))["hidden_states"].shape[1:] == (3, 128)
+    done = len(list(staged.glob("hs_*.safetensors")))
+    assert f"resuming, {done} rows already written" in run_cli(*args, "--overwrite").stdout
     assert verify(out).ok and (out / "notes.txt").read_text() == "mine" and not (out / REPLACEMENT).exists()
     assert read_manifest(out)["config"]["output"] == str(out)
     for i in range(read_manifest(first_run)["num_samples"]):
