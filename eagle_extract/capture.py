@@ -30,6 +30,11 @@ class CaptureStats:
     split_requests: int = 0  # requests whose prompt arrived over more than one step
     merged_runs: int = 0  # runs holding one request's end and another's continuation (RequestMatcher.add)
     unmatched_tokens: int = 0  # padding or foreign tokens that belong to no expected request
+    dropped_steps: int = 0  # steps whose token ids or states never arrived (a hook that did not fire)
+    dropped_tokens: int = 0
+    settled_rows: int = 0  # rows whose every step has been assembled (StepCapture.settle)
+    unmatched_rows: int = 0  # of those, rows no captured run matched: they will never be written
+    first_unmatched_row: int | None = None
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -65,6 +70,14 @@ class _Step:
     token_ids: torch.Tensor  # [N] int64, host
     positions: torch.Tensor  # [N] or [3, N] int64, host
     ready: object | None  # a CUDA event the copies finish at, None on the CPU
+
+
+@dataclass
+class _Settle:
+    """Queued behind every step of the rows announced before it: when the assembler reaches it, those
+    rows have had all their tokens, so any still waiting will never be matched."""
+
+    rows: list[int]
 
 
 class StepCapture:
@@ -115,6 +128,7 @@ class StepCapture:
         self._copy_stream = None
         self._pinned_rows = 0  # pinned step buffers are made this many rows long: one size for the allocator
         self._steps: queue.Queue = queue.Queue()
+        self._unsettled: list[int] = []  # rows announced since the last settle()
         self._thread = threading.Thread(target=self._assemble_loop, daemon=True)
         self._thread.start()
 
@@ -225,6 +239,11 @@ class StepCapture:
         if staging is None or ids is None or staging.shape[0] == 0:
             if staging is not None and staging.device.type != "cuda":
                 self.budget.give(staging.nbytes)  # taken in _store, never held by a step
+            tokens = positions.shape[-1] if positions is not None else 0
+            if tokens and (staging is None or ids is None):  # its tokens' rows can never complete
+                with self.lock:
+                    self.stats.dropped_steps += 1
+                    self.stats.dropped_tokens += tokens
             return
         # vLLM's positions buffer is persistent and already int64: snapshot it on the compute stream, or the
         # next step's upload could overwrite it before the side stream has copied it
@@ -241,6 +260,10 @@ class StepCapture:
             if step is None:
                 self._steps.task_done()
                 return
+            if isinstance(step, _Settle):
+                self._settle(step.rows)
+                self._steps.task_done()
+                continue
             try:
                 if step.ready is not None:
                     step.ready.synchronize()
@@ -275,10 +298,36 @@ class StepCapture:
             weakref.finalize(row, self.budget.count, "rows", -1)  # when the writer has dropped it
             self.on_complete(req.index, row, list(req.token_ids))
 
+    def _settle(self, rows: list[int]) -> None:
+        """Count the rows still waiting among `rows` as unmatched, and stop waiting for them."""
+        with self.lock:
+            waiting = set(self.matcher.pending)
+            lost = [i for i in rows if i in waiting]
+            self.matcher.forget(set(lost))
+            self.matcher.prune()
+            self.stats.settled_rows += len(rows)
+            self.stats.unmatched_rows += len(lost)
+            if lost and self.stats.first_unmatched_row is None:
+                self.stats.first_unmatched_row = lost[0]
+
     def expect(self, rows: list[tuple[int, list[int]]]) -> None:
         with self.lock:
             for index, token_ids in rows:
                 self.matcher.expect(index, token_ids)
+                self._unsettled.append(index)
+
+    def settle(self) -> None:
+        """Mark that the engine has run every row announced so far (its generate call returned): the
+        assembler settles them once it has taken every step queued before this call."""
+        with self.lock:
+            rows, self._unsettled = self._unsettled, []
+        if rows:
+            self._steps.put(_Settle(rows))
+
+    def counts(self) -> dict:
+        """The stats as they stand, without waiting for the assembler."""
+        with self.lock:
+            return {**self.stats.as_dict(), **self.budget.stats()}
 
     def drain(self) -> dict:
         """Wait until every captured step is assembled; report stats, pending rows and errors."""

@@ -208,6 +208,15 @@ def main():
     "when it is spent the forward pass waits for the writer. [default: an eighth of RAM, 2 to 32 GiB]",
 )
 @click.option(
+    "--stall-timeout",
+    type=float,
+    default=D.stall_timeout,
+    show_default=True,
+    metavar="SECONDS",
+    help="Stop with one line (and stop the engine) when the run makes no progress for this long: a stalled "
+    "collective, a hung GPU, a disk that blocks the writer. 0: never.",
+)
+@click.option(
     "--no-disk-check",
     "check_disk",
     is_flag=True,

@@ -28,7 +28,7 @@ _TYPES = {  # what each option takes, where a wrong type would otherwise fail de
     **dict.fromkeys(("tp", "pp", "dp", "seq_length", "max_new_tokens", "seed", "batch_size"), (int,)),
     **dict.fromkeys(("max_samples", "max_num_batched_tokens", "writer_threads"), (int, type(None))),
     **dict.fromkeys(("temperature", "top_p"), (int, float)),
-    "host_memory": (int, float, type(None)),
+    **dict.fromkeys(("host_memory", "stall_timeout"), (int, float, type(None))),
     **dict.fromkeys(("strict", "regenerate", "trust_remote_code", "overwrite", "check_disk"), (bool,)),
     **dict.fromkeys(("layers", "shard", "decoder_path"), (str, type(None))),
     **dict.fromkeys(("model", "data_format", "long_samples", "dtype", "storage_dtype", "format"), (str,)),
@@ -82,6 +82,7 @@ class ExtractConfig:
     writer_threads: int | None = None  # None: writer.default_writer_threads()
     host_memory: float | None = None  # GiB of captured states in host memory; None: hostmem.default_budget()
     check_disk: bool = True  # the CLI's --no-disk-check sets it False
+    stall_timeout: float | None = 1800.0  # seconds without progress that count as a hang; None or 0: never
 
     @classmethod
     def from_options(cls, **options) -> ExtractConfig:

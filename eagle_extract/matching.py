@@ -69,6 +69,19 @@ class RequestMatcher:
     def pending(self) -> list[int]:
         return sorted(req.index for waiting in self._whole.values() for req in waiting)
 
+    def forget(self, indices: set[int]) -> None:
+        """Stop waiting for these requests (the engine ran them and no run matched)."""
+        if not indices:
+            return
+        for key, waiting in list(self._whole.items()):
+            kept = deque(r for r in waiting if r.index not in indices)
+            for _ in range(len(waiting) - len(kept)):
+                del self._sorted[bisect.bisect_left(self._sorted, key)]
+            if kept:
+                self._whole[key] = kept
+            else:
+                del self._whole[key]
+
     def _extended(self, tokens: tuple[int, ...], strictly: bool) -> bool:
         """Whether a waiting prompt starts with `tokens` (strictly: and goes on beyond them)."""
         i = bisect.bisect_left(self._sorted, tokens)

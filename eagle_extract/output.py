@@ -21,6 +21,7 @@ from .data import LoadReport, Sample
 from .errors import ExtractError
 from .layers import CONVENTION, legacy_layer_ids
 from .plan import Plan, make_plan, plan_samples
+from .runlog import terminal
 from .stages import PARTS_DIR
 from .version import __version__
 from .writer import (
@@ -53,6 +54,31 @@ def _other_identities(output: Path, own: Path | None = None) -> list[dict]:
     if folder.is_dir():
         found += [_record(f).get("identity") for f in folder.glob("*-of-*.json")]
     return found
+
+
+WARNED = ("versions",)  # identity keys a resumed run may change: other releases, states equal to the last bits or not
+
+
+def identity_changes(previous: dict, identity: dict, keys=None) -> list[str]:
+    """The identity keys (default: all but WARNED) whose values differ; a key the previous record lacks (an
+    earlier eagle-extract's) is not compared."""
+    keys = [k for k in identity if k not in WARNED] if keys is None else keys
+    return [k for k in keys if k in previous and previous[k] != identity[k]]
+
+
+_warned: set = set()
+
+
+def _warn_releases(output: Path, previous: dict, identity: dict) -> None:
+    if identity_changes(previous, identity, WARNED) and output not in _warned:
+        _warned.add(output)
+        old, new = previous["versions"], identity["versions"]
+        changed = ", ".join(f"{k} {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k])
+        print(
+            f"warning: {output}'s rows so far were written with other releases ({changed}); their states may "
+            "differ from this run's in the last bits: pass --overwrite to write every row with these",
+            file=terminal(),
+        )
 
 
 def _record(path: Path) -> dict:
@@ -121,7 +147,7 @@ def identical_complete(output: Path, identity: dict, overwrite: bool) -> dict | 
         return None
     try:
         manifest = json.loads(path.read_text())
-        same = manifest["identity"] == identity
+        same = not identity_changes(manifest["identity"], identity)
     except (ValueError, KeyError, TypeError):
         same, manifest = False, None
     if not same:
@@ -148,7 +174,7 @@ def writing_folder(output: Path, identity: dict, overwrite: bool) -> Path:
     staged = output / REPLACEMENT
     if staged.exists():
         recorded = _other_identities(staged)  # every run file and shard summary in it
-        if not recorded or any(r != identity for r in recorded):
+        if not recorded or any(not isinstance(r, dict) or identity_changes(r, identity) for r in recorded):
             shutil.rmtree(staged)
     return staged
 
@@ -228,8 +254,9 @@ def refuse_other_runs(output: Path, identity: dict, shard: tuple[int, int] | Non
                 "would write rows they own: use their count"
             )
     recorded = ([_record(own)] if own.exists() else []) + _other_identities(output, own)
-    for previous in recorded:
-        changed = [k for k in identity if previous.get(k) != identity[k]]
+    for previous in (r for r in recorded if isinstance(r, dict)):
+        changed = identity_changes(previous, identity)
+        _warn_releases(output, previous, identity)
         if changed:
             k = changed[0]
             fix = "use the other shards' settings" if shard else "pass --overwrite to start over"
@@ -294,10 +321,11 @@ def forget_other_counts(output: Path, count: int) -> None:
 
 def abandon_if_empty(output: Path, shard: tuple[int, int] | None) -> None:
     """A run that failed before writing anything leaves no record that would refuse a corrected command."""
-    from .regenerate import REGENERATED
+    from .regenerate import JOURNAL, REGENERATED
 
     legacy_rows = completed_rows(output, legacy=True)
-    if not completed_rows(output) and not legacy_rows and not (output / REGENERATED).exists():
+    answers = (output / REGENERATED).exists() or (output / JOURNAL).exists()
+    if not completed_rows(output) and not legacy_rows and not answers:
         (output / run_file(shard)).unlink(missing_ok=True)
 
 
@@ -330,6 +358,8 @@ def complete(plan: Plan, samples: list[Sample], report: LoadReport, runs: list[d
     except OSError as exc:
         raise ExtractError(f"writing the dataset files in {output}: {exc.strerror or exc}; rerun to finish") from None
     extract_s = max(r["extract_s"] for r in runs)
+    engines = [r["capture"].get("dtype") for r in runs if isinstance(r.get("capture"), dict)]
+    dtype = next((d for d in engines if d), plan.dtype)  # the engine's: --dtype auto may not be config.json's
     manifest = {
         "format": LEGACY if cfg.legacy else "speculators-offline",
         "identity": plan.identity,
@@ -340,8 +370,8 @@ def complete(plan: Plan, samples: list[Sample], report: LoadReport, runs: list[d
         "slot_layer_ids": plan.slot_ids,
         "layer_convention": CONVENTION,
         "legacy_layer_ids": legacy_layer_ids(plan.slot_ids) if cfg.legacy else None,
-        "dtype": plan.dtype,
-        "storage_dtype": "float8_e4m3fn" if cfg.fp8 else plan.dtype,
+        "dtype": dtype,
+        "storage_dtype": "float8_e4m3fn" if cfg.fp8 else dtype,
         "hidden_size": shape.hidden_size,
         "num_samples": len(samples),
         "num_tokens": sum(len(s.input_ids) for s in samples),

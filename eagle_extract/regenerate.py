@@ -9,6 +9,7 @@ see.  All conversations advance together, one batched `generate` call per turn.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from .formats import Record
 from .runlog import progress
 
 REGENERATED = "regenerated.jsonl"  # the conversations as the model answered them, beside the output
+JOURNAL = ".eagle_extract_answers.jsonl"  # the answers so far, while the regeneration runs
 
 
 @dataclass
@@ -27,6 +29,7 @@ class RegenerateStats:
     hit_max_new_tokens: int = 0
     cut_at_seq_length: int = 0  # conversations whose later turns no longer fit --seq-length
     kept_as_is: int = 0  # token, text and tool-using rows: nothing to regenerate
+    kept_answers: int = 0  # answers an interrupted run had journaled, used again
 
 
 def _prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -34,27 +37,71 @@ def _prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def answers(llm, cfg: ExtractConfig, tokenizer, records: list[Record], log) -> tuple[list[Record], dict]:
-    """The model's own answers: loaded when an interrupted run already made them, else generated and saved."""
+def answers(llm, cfg: ExtractConfig, tokenizer, records: list[Record], log, beat) -> tuple[list[Record], dict]:
+    """The model's own answers: loaded when an interrupted run already made them all, else generated (after
+    the answers an interrupted run journaled) and saved.  `beat` tells the engine watch the run moves."""
     output = Path(cfg.output)
     saved = load(output, records)
     if saved is not None:
         log(f"using the {REGENERATED} an interrupted run already wrote")
         return saved, {"reused": True}
-    out, stats = regenerate(llm, tokenizer, records, cfg)
+    journal = Journal(output / JOURNAL)
+    kept = journal.read()
+    if kept:
+        log(f"continuing the regeneration after the {sum(map(len, kept.values()))} answers an interrupted run kept")
+    out, stats = regenerate(llm, tokenizer, records, cfg, kept, journal.append, beat)
     save(output, out)
+    journal.path.unlink(missing_ok=True)
     log(
         f"regenerated {stats.answers} answers in {stats.conversations} conversations "
-        f"({stats.hit_max_new_tokens} stopped at --max-new-tokens, {stats.cut_at_seq_length} cut at --seq-length, "
-        f"{stats.kept_as_is} rows kept as they were); saved to {output / REGENERATED}"
+        f"({stats.kept_answers} of them kept from an interrupted run; {stats.hit_max_new_tokens} stopped at "
+        f"--max-new-tokens, {stats.cut_at_seq_length} cut at --seq-length, {stats.kept_as_is} rows kept as they "
+        f"were); saved to {output / REGENERATED}"
     )
     return out, asdict(stats)
 
 
-def regenerate(llm, tokenizer, records: list[Record], cfg: ExtractConfig) -> tuple[list[Record], RegenerateStats]:
-    """Records with every assistant turn written by the model, sampled as `cfg` says; other rows pass through."""
+class Journal:
+    """Answers appended as each engine call finishes, fsynced: {"row", "turn", "text", "finish"} per line.
+    A power cut can tear only the last line, which reading drops (and cuts off, so appends stay whole)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read(self) -> dict[int, dict[int, tuple[str, str | None]]]:
+        """row -> turn -> (answer, finish reason)."""
+        kept: dict[int, dict[int, tuple[str, str | None]]] = {}
+        if not self.path.is_file():
+            return kept
+        good = 0
+        with open(self.path, "rb") as f:
+            for line in f:
+                try:
+                    entry = json.loads(line) if line.endswith(b"\n") else None
+                    kept.setdefault(int(entry["row"]), {})[int(entry["turn"])] = (str(entry["text"]), entry["finish"])
+                except (ValueError, KeyError, TypeError):
+                    break
+                good += len(line)
+        if good < self.path.stat().st_size:
+            os.truncate(self.path, good)
+        return kept
+
+    def append(self, entries: list[dict]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries))
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def regenerate(
+    llm, tokenizer, records: list[Record], cfg: ExtractConfig, kept: dict | None = None, keep=None, beat=None
+) -> tuple[list[Record], RegenerateStats]:
+    """Records with every assistant turn written by the model, sampled as `cfg` says; other rows pass through.
+    `kept` answers (row -> turn -> (text, finish reason)) are used instead of generating them again; each
+    engine call's answers go to `keep`, as Journal entries."""
     from vllm import SamplingParams, TokensPrompt
 
+    kept = kept or {}
     stats = RegenerateStats()
     todo = {}  # record index -> (turns still to replay, conversation so far)
     for i, rec in enumerate(records):
@@ -64,40 +111,61 @@ def regenerate(llm, tokenizer, records: list[Record], cfg: ExtractConfig) -> tup
         todo[i] = ([m for m in rec.messages if m["role"] != "assistant"], [])
     stats.conversations = len(todo)
     done: dict[int, list[dict]] = {}
+
+    def answered(i: int, text: str, finish: str | None) -> None:
+        stats.answers += 1
+        stats.hit_max_new_tokens += finish == "length"
+        todo[i][1].append({"role": "assistant", "content": text})
+
     total = sum(sum(m["role"] == "user" for m in turns) for turns, _ in todo.values())
     with progress(total, "regenerate", "answer") as bar:
         while todo:
             prompts, owners = [], []
             for i, (turns, convo) in list(todo.items()):
-                while turns:  # replay up to and including the next user turn
-                    convo.append(turns.pop(0))
-                    if convo[-1]["role"] == "user":
+                while True:
+                    while turns:  # replay up to and including the next user turn
+                        convo.append(turns.pop(0))
+                        if convo[-1]["role"] == "user":
+                            break
+                    if not convo or convo[-1]["role"] != "user":
+                        done[i] = convo + turns
+                        del todo[i]
                         break
-                if not convo or convo[-1]["role"] != "user":
-                    done[i] = convo + turns
-                    del todo[i]
-                    continue
-                ids = _prompt_ids(tokenizer, convo)
-                room = min(cfg.max_new_tokens, cfg.seq_length - len(ids))
-                if room <= 0:  # this turn cannot fit: the conversation ends with the previous answer
-                    stats.cut_at_seq_length += 1
-                    bar.update(1 + sum(m["role"] == "user" for m in turns))
-                    done[i] = convo[:-1]
-                    del todo[i]
-                    continue
-                seed = cfg.seed + records[i].row
-                params = SamplingParams(max_tokens=room, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
-                prompts.append((TokensPrompt(prompt_token_ids=ids), params))
-                owners.append(i)
-            if not prompts:
-                break
-            outputs = llm.generate([p for p, _ in prompts], [s for _, s in prompts], use_tqdm=False)
-            for i, out in zip(owners, outputs):
-                answer = out.outputs[0]
-                stats.answers += 1
-                stats.hit_max_new_tokens += answer.finish_reason == "length"
-                todo[i][1].append({"role": "assistant", "content": answer.text})
-            bar.update(len(owners))
+                    ids = _prompt_ids(tokenizer, convo)
+                    room = min(cfg.max_new_tokens, cfg.seq_length - len(ids))
+                    if room <= 0:  # this turn cannot fit: the conversation ends with the previous answer
+                        stats.cut_at_seq_length += 1
+                        bar.update(1 + sum(m["role"] == "user" for m in turns))
+                        done[i] = convo[:-1]
+                        del todo[i]
+                        break
+                    turn = sum(m["role"] == "assistant" for m in convo)
+                    if turn not in kept.get(records[i].row, {}):
+                        seed = cfg.seed + records[i].row
+                        params = SamplingParams(
+                            max_tokens=room, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed
+                        )
+                        prompts.append((TokensPrompt(prompt_token_ids=ids), params, turn))
+                        owners.append(i)
+                        break
+                    answered(i, *kept[records[i].row][turn])
+                    stats.kept_answers += 1
+                    bar.update(1)
+            for start in range(0, len(prompts), cfg.batch_size):  # each engine call's answers are kept at once
+                chunk, who = prompts[start : start + cfg.batch_size], owners[start : start + cfg.batch_size]
+                outputs = llm.generate([p for p, _, _ in chunk], [s for _, s, _ in chunk], use_tqdm=False)
+                entries = []
+                for i, (_, _, turn), out in zip(who, chunk, outputs):
+                    answer = out.outputs[0]
+                    answered(i, answer.text, answer.finish_reason)
+                    entries.append(
+                        {"row": records[i].row, "turn": turn, "text": answer.text, "finish": answer.finish_reason}
+                    )
+                if keep:
+                    keep(entries)
+                if beat:
+                    beat()
+                bar.update(len(who))
     result = list(records)
     for i, convo in done.items():  # one with no answer that fits is later skipped: no trained token
         result[i] = replace(records[i], messages=convo)
@@ -113,7 +181,7 @@ def save(output: Path, records: list[Record]) -> None:
                 if rec.messages is not None:
                     f.write(json.dumps({"row": rec.row, "messages": rec.messages}, ensure_ascii=False) + "\n")
 
-    write_atomically(Path(output) / REGENERATED, write)
+    write_atomically(Path(output) / REGENERATED, write, durable=True)
 
 
 def load(output: Path, records: list[Record]) -> list[Record] | None:

@@ -39,12 +39,16 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         if not staged.overwrite:  # before the engine's log starts
             out.refuse_other_runs(target, plan.identity, plan.shard)
         log_path = output / out.log_name(plan.shard)
+        watch = EngineWatch(cfg.stall_timeout or None, log_path)
         try:
             with RunLog(log_path, log) as run_log:
-                result = _extract(replace(plan, cfg=staged), rows, run_log)
+                watch.note = run_log.note
+                result = _extract(replace(plan, cfg=staged), rows, run_log, watch)
         except ExtractError as exc:  # the same error (a DataError stays a ValueError), pointing at the log
             exc.args = (f"{exc} (the run's log: {log_path})",)
             raise
+        finally:  # the engine has shut down (RunLog's exit let it go): nothing of it may hold GPUs now
+            watch.reap()
         return out.replace_complete(target, output) if target != output else result
 
 
@@ -58,19 +62,18 @@ def _sized(plan: Plan, samples: list, report) -> tuple:
     return samples, report, mine, todo_tokens, expected_bytes, free
 
 
-def _extract(plan: Plan, rows: tuple | None, run_log: RunLog) -> dict:
+def _extract(plan: Plan, rows: tuple | None, run_log: RunLog, watch: EngineWatch) -> dict:
     """The run itself, into `plan.cfg.output` (claimed); `rows` from _sized, None when --regenerate makes them."""
     try:
-        return _extract_rows(plan, rows, run_log)
+        return _extract_rows(plan, rows, run_log, watch)
     except BaseException:
         out.abandon_if_empty(Path(plan.cfg.output), plan.shard)
         raise
 
 
-def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog) -> dict:
+def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog, watch: EngineWatch) -> dict:
     cfg, output, log = plan.cfg, Path(plan.cfg.output), run_log.say
     llm, start_s, regenerated = None, 0.0, None
-    watch = EngineWatch()
     if rows is None:
         out.prepare_output(output, plan.identity, cfg.overwrite)
         t0 = time.perf_counter()
@@ -79,7 +82,8 @@ def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog) -> dict:
             watch.start()
             start_s = time.perf_counter() - t0
             usable = [r for r, _, _ in plan.triples if r is not None][: cfg.max_samples]
-            records, regenerated = regenerate.answers(llm, cfg, plan.tokenizer, usable, log)
+            records, regenerated = regenerate.answers(llm, cfg, plan.tokenizer, usable, log, watch.beat)
+        watch.pause()  # tokenizing the answers is the driver's own work
         bad = [(None, n, why) for r, n, why in plan.triples if r is None]
         triples = sorted([(r, r.row, None) for r in records] + bad, key=lambda t: t[1])
         rows = _sized(plan, *plan_samples(plan, triples))
@@ -108,7 +112,7 @@ def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog) -> dict:
                 llm = start_engine(cfg, max(len(s.input_ids) for s in samples) + 1)  # room for the one sampled token
                 watch.start()
                 start_s = time.perf_counter() - t0
-            written, stats, extract_s = _capture(llm, plan, len(samples), todo, done, run_log.note)
+            written, stats, extract_s = _capture(llm, plan, len(samples), todo, done, run_log.note, watch.beat)
     finally:
         watch.stop.set()
         llm = None  # the engine stops now, into the run's log (frames vLLM's imports keep alive would hold it)
@@ -149,12 +153,37 @@ def _drain(llm, wait: bool) -> dict:
         "written_by": [r["written"] for r in reports],
         "pending": sorted({i for r in reports for i in r["pending"]}),
         "stats": reports[0]["stats"] if reports else {},
+        "matching": [sum(r["stats"].get(k, 0) for r in reports) for k in MATCH_COUNTS],
     }
 
 
-def _capture(llm, plan: Plan, total: int, todo: list, done: set[int], note) -> tuple[set[int], dict, float]:
+MATCH_COUNTS = ("settled_rows", "unmatched_rows", "unmatched_tokens", "dropped_steps")
+MATCH_WINDOW = 64  # rows: the run stops once half the rows settled last (at least 8 of them) went unmatched
+
+
+def stopped_matching(history: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """(unmatched, settled) over the last MATCH_WINDOW or more settled rows when at least half of them,
+    and at least 8, found no states; `history` holds the (settled, unmatched) totals after each batch."""
+    settled, unmatched = history[-1]
+    base = next((h for h in reversed(history) if settled - h[0] >= MATCH_WINDOW), (0, 0))
+    rows, lost = settled - base[0], unmatched - base[1]
+    return (lost, rows) if lost >= 8 and 2 * lost >= rows else None
+
+
+def _check_matching(history: list[tuple[int, int]], first: int | None) -> None:
+    lost = stopped_matching(history)
+    if lost:
+        raise ExtractError(
+            f"rows stopped matching the captured states: {lost[0]} of the last {lost[1]} rows the engine ran got "
+            f"none (first: row {first}), so the engine ran other tokens than the prompts or the hooks sit on "
+            "layers the prompts do not run (--decoder-path); every completed row is kept: report this with the "
+            "run's log"
+        )
+
+
+def _capture(llm, plan: Plan, total: int, todo: list, done: set[int], note, beat) -> tuple[set[int], dict, float]:
     """Stream the rows still to do through the engine; returns (rows written, capture stats, seconds).
-    `note` puts each batch's counts in the run's log."""
+    `note` puts each batch's counts in the run's log; `beat` tells the engine watch the run moves."""
     from vllm import SamplingParams, TokensPrompt
 
     cfg = plan.cfg
@@ -186,6 +215,8 @@ def _capture(llm, plan: Plan, total: int, todo: list, done: set[int], note) -> t
 
     params = SamplingParams(max_tokens=1, temperature=0.0)
     written = set(done)
+    beat()
+    history = [(0, 0)]  # (settled, unmatched) rows after each batch
     t1 = time.perf_counter()
     with progress(total, "extract", "row", initial=len(done)) as bar:
         done_tokens, handed = 0, len(done)
@@ -193,20 +224,32 @@ def _capture(llm, plan: Plan, total: int, todo: list, done: set[int], note) -> t
             masks = [(i, s.loss_mask) for i, s in batch] if cfg.legacy else None
             llm.collective_rpc("eagle_expect", args=([(i, s.input_ids) for i, s in batch], masks))
             llm.generate([TokensPrompt(prompt_token_ids=s.input_ids) for _, s in batch], params, use_tqdm=False)
-            record(_drain(llm, wait=False))
+            got = _drain(llm, wait=False)
+            record(got)
+            beat()
             handed += len(batch)
             done_tokens += sum(len(s.input_ids) for _, s in batch)
             rate = f"{done_tokens / (time.perf_counter() - t1):,.0f}"
+            settled, lost, lost_tokens, dropped = got["matching"]
             bar.update(len(written) - bar.n)  # rows on the disk, not rows handed to the engine
-            bar.set_postfix(tok_s=rate)
-            note(f"{len(written)}/{total} rows written ({handed} handed to the engine), {rate} tok/s")
+            bar.set_postfix(tok_s=rate, **({"unmatched": lost} if lost else {}))
+            pending = handed - len(written)
+            note(
+                f"{len(written)}/{total} rows written ({handed} handed to the engine, {pending} pending); "
+                f"unmatched: {lost} rows, {lost_tokens} tokens; {dropped} dropped steps; {rate} tok/s"
+            )
+            history.append((settled, lost))
+            _check_matching(history, got["stats"].get("first_unmatched_row"))
         got = _drain(llm, wait=True)
         record(got, last=True)
+        history.append(tuple(got["matching"][:2]))
+        _check_matching(history, got["stats"].get("first_unmatched_row"))
         bar.update(len(written) - bar.n)
     extract_s = time.perf_counter() - t1
     llm.collective_rpc("eagle_remove")
     where = {
         "model_class": writers[0]["model_class"],
+        "dtype": writers[0]["dtype"],
         "decoder_path": writers[0]["path"],
         "workers": len(installed),
         "stages": [[w["start"], w["end"]] for w in writers],

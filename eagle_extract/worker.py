@@ -56,6 +56,7 @@ class HiddenStateExtension:
             "part": None if whole else str(part_root(output, stack.start, stack.end)),
             "tp_rank": _tp_rank(),
             "model_class": type(model).__name__,
+            "dtype": str(self.model_config.dtype).removeprefix("torch."),  # the engine's, whatever --dtype said
         }
         writes = info["tp_rank"] == 0 and bool(slots)
         if writes:
@@ -84,7 +85,10 @@ class HiddenStateExtension:
         if not getattr(self, "_eagle", None):
             return None
         capture, writer = self._eagle
-        captured = capture.drain() if wait else {"stats": {}, "pending": [], "errors": list(capture.errors)}
+        capture.settle()  # every row announced so far has run: the generate call returned
+        captured = (
+            capture.drain() if wait else {"stats": capture.counts(), "pending": [], "errors": list(capture.errors)}
+        )
         report = writer.drain(wait)
         report["errors"] = captured["errors"] + report["errors"]
         return {**captured, **report}

@@ -193,3 +193,33 @@ def capture_vs_synchronous(
             equal += 2 * int(states is not None and scales is None and torch.equal(states, want))
     assert not report["errors"] and not report["pending"], report
     return len(where), equal // 2
+
+
+ERRORS_DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+
+
+def documented_errors(section: str) -> dict[str, list]:
+    """docs/errors.md's table under `## {section}`: each row's case cell -> the messages it documents, as
+    patterns.  A message is a code span starting with `Error:` (or `ExtractError:`); in it `…` stands for
+    any text and `<…>` for any non-empty text, the rest is literal."""
+    import re
+
+    text = ERRORS_DOC.read_text().split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in text.splitlines():
+        if not line.startswith("| ") or line.startswith(("| case", "|---")):
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        spans = [s.replace("\0", "`") for s in cells[-1].replace("\\`", "\0").split("`")[1::2]]
+        parts = [re.split(r"(…|<[^<>]+>)", s) for s in spans if re.match(r"(Extract)?Error: ", s)]
+        rows[cells[0]] = [
+            re.compile("".join((".*?" if p == "…" else ".+?") if k % 2 else re.escape(p) for k, p in enumerate(ps)))
+            for ps in parts
+        ]
+    return rows
+
+
+def assert_documented(section: str, case: str, line: str) -> None:
+    """`line` is one of the messages docs/errors.md gives for `case` in `section`."""
+    patterns = documented_errors(section)[case]
+    assert any(p.fullmatch(line) for p in patterns), f"{line!r} is not what docs/errors.md says for {case!r}"

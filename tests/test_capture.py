@@ -53,3 +53,40 @@ def test_fp8_layout_is_speculators():
     back = q.float() * scale
     assert torch.all((back - x.float()).abs() <= amax * 2**-4 + 1e-30)
     assert torch.equal(q.float().abs().flatten(1).max(1).values[[0, 1, 2, 4, 5, 6]], torch.full((6,), 448.0))
+
+
+def test_rows_the_engine_ran_without_a_match_and_steps_without_token_ids_are_counted():
+    """Once the engine has run a batch (settle), its rows still waiting are unmatched and no longer waited
+    for; a step whose token-id hook never fired is a dropped step, its tokens counted."""
+    from eagle_extract.capture import StepCapture
+    from eagle_extract.model_nav import DecoderStack
+
+    from .common import _ToyLayer
+
+    torch.manual_seed(0)
+    embed, blocks = torch.nn.Embedding(100, 16), torch.nn.ModuleList(_ToyLayer(16) for _ in range(3))
+    written = []
+    capture = StepCapture(
+        DecoderStack("toy", blocks, blocks, 0, 3, embed), [0, 1], lambda i, rows, ids: written.append(i)
+    )
+    capture.install()
+
+    def step(ids, hooked=True):
+        h = embed(torch.tensor(ids)) if hooked else embed.weight[ids].clone()  # the second skips the embedding's hook
+        p, r = torch.arange(len(ids)), None
+        for block in blocks:
+            h, r = block(p, h, r)
+
+    capture.expect([(0, [1, 2, 3]), (1, [4, 5, 6]), (2, [7, 8])])
+    with torch.no_grad():
+        step([1, 2, 3])  # row 0
+        step([9, 9, 9])  # row 1's prompt ran as other tokens
+        step([7, 8], hooked=False)  # row 2's token ids never arrived
+    assert capture.counts()["settled_rows"] == 0  # nothing is settled before the engine says it ran them
+    capture.settle()
+    report = capture.drain()
+    capture.remove()
+    stats = report["stats"]
+    assert written == [0] and report["pending"] == [] and not report["errors"]
+    assert (stats["settled_rows"], stats["unmatched_rows"], stats["first_unmatched_row"]) == (3, 2, 1)
+    assert (stats["unmatched_tokens"], stats["dropped_steps"], stats["dropped_tokens"]) == (3, 1, 2)

@@ -11,6 +11,8 @@ from transformers import AutoTokenizer
 from eagle_extract.data import load_samples, tokenize_conversation
 from eagle_extract.formats import BadRow, DataError, to_record
 
+from .common import assert_documented
+
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2):
@@ -252,5 +254,7 @@ def test_a_slow_tokenizer_without_generation_marks_is_one_line(tmp_path, tokeniz
     slow.__class__ = type("SlowTokenizer", (type(tokenizer),), {"is_fast": False})
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(GOOD) + "\n")
-    with pytest.raises(DataError, match="tokenizer is a slow .* give the checkpoint a tokenizer.json"):
+    with pytest.raises(DataError) as err:
         load_samples(path, slow, 512)
+    case = "a slow (Python) tokenizer and a chat template without `{% generation %}` marks"
+    assert_documented("Before the engine starts", case, f"Error: {err.value}")

@@ -85,3 +85,16 @@ def test_pending_lists_unfinished_rows():
     assert m.pending == [0, 1]
     assert _bound(m, [("a2", [3], 2), ("b", [4], 0)])[0] == {0: ["a1", "a2"], 1: ["b"]}
     assert m.pending == []
+
+
+def test_a_run_stops_once_half_of_its_latest_rows_find_no_states():
+    """From the (settled, unmatched) totals after each batch: the last 64 or more settled rows decide."""
+    from eagle_extract.run import stopped_matching
+
+    assert stopped_matching([(0, 0), (256, 0)]) is None
+    assert stopped_matching([(0, 0), (7, 7)]) is None  # too few to say
+    assert stopped_matching([(0, 0), (8, 8)]) == (8, 8)
+    assert stopped_matching([(0, 0), (1000, 3)]) is None  # a few lost rows: the rerun redoes them
+    history = [(256 * k, 0) for k in range(100)] + [(25600, 200)]
+    assert stopped_matching(history) == (200, 256)  # the latest batch, not the whole run's average
+    assert stopped_matching(history + [(25632, 230)]) == (230, 288)
