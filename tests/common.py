@@ -147,9 +147,22 @@ def capture_vs_synchronous(
 
     handles = [blocks[j].register_forward_pre_hook(pre(k), with_kwargs=True) for k, j in enumerate(aux)]
 
+    # vLLM's token-id and position buffers are persistent: the next step's upload overwrites them in place
+    # right after the step.  The assembler (which takes capture.lock to read a step) is held off until
+    # then, so a capture that kept a view of these buffers instead of a snapshot would read the overwrite.
+    ids_buf = torch.zeros(step_tokens, dtype=torch.int64, device=device)
+    pos_buf = torch.zeros(step_tokens, dtype=torch.int64, device=device)
+
+    def hold(module, args, kwargs):
+        capture.lock.acquire()
+
     def last(module, args, kwargs, out):
         sync[-1][len(aux)] = (out[0] + out[1]).to("cpu", copy=True)
+        ids_buf.fill_(0)
+        pos_buf.fill_(-1)
+        capture.lock.release()
 
+    handles.append(blocks[-1].register_forward_pre_hook(hold, with_kwargs=True))
     handles.append(blocks[-1].register_forward_hook(last, with_kwargs=True))
 
     lengths = torch.randint(5, step_tokens * 2, (steps * 2,), generator=gen).tolist()
@@ -172,8 +185,10 @@ def capture_vs_synchronous(
                     rest.append((row, start + take))
             queue = rest
             sync.append([None] * (len(aux) + 1))
-            h = embed(torch.tensor(ids, device=device))
-            p, r = torch.tensor(pos, device=device), None
+            ids_buf[: len(ids)] = torch.tensor(ids)
+            pos_buf[: len(pos)] = torch.tensor(pos)
+            h = embed(ids_buf[: len(ids)])
+            p, r = pos_buf[: len(pos)], None
             for block in blocks:
                 h, r = block(p, h, r)
             step += 1

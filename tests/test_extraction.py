@@ -32,10 +32,13 @@ def test_smollm2_fp32_matches_transformers(smollm2_fp32_out, smollm2):
 
 
 def test_batch_really_spanned_several_steps(smollm2_fp32_out):
-    capture = read_manifest(smollm2_fp32_out)["capture"]
+    manifest = read_manifest(smollm2_fp32_out)
+    capture = manifest["capture"]
     assert capture["steps"] > 1
     assert capture["split_requests"] >= 4  # every long conversation was split by the 128-token budget
-    assert capture["unmatched_tokens"] == 0
+    assert capture["unmatched_tokens"] == 0 and capture["unmatched_rows"] == 0 and capture["dropped_steps"] == 0
+    assert capture["settled_rows"] == manifest["num_samples"]  # every row was settled, batch by batch
+    assert manifest["dtype"] == capture["dtype"] == "float32"  # the engine's own dtype
 
 
 def test_smollm2_bf16_close_to_fp32_transformers(smollm2_bf16_out, smollm2):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -206,3 +207,43 @@ def test_a_dp_run_resumed_with_another_count_forgets_the_old_replicas_records(tm
         "shards/0-of-4.json",
         "shards/0-of-4.log",
     ]
+
+
+def test_a_resume_must_share_what_changes_the_states_and_is_warned_of_other_releases(tmp_path, capsys):
+    recorded = {**IDENTITY, "engine_args": {}, "versions": {"vllm": "0.30.0", "torch": "2.9.0"}}
+    (tmp_path / out.RUN_FILE).write_text(json.dumps(recorded))
+    quantized = {**recorded, "engine_args": {"quantization": "fp8"}}
+    with pytest.raises(ExtractError, match=r"a different engine_args \(\{\}, now \{'quantization': 'fp8'\}\)"):
+        out.refuse_other_runs(tmp_path, quantized, None)
+    upgraded = {**recorded, "versions": {"vllm": "0.32.0", "torch": "2.9.0"}}
+    out.refuse_other_runs(tmp_path, upgraded, None)
+    out.refuse_other_runs(tmp_path, upgraded, None)
+    warned = capsys.readouterr().err.splitlines()
+    assert len(warned) == 1 and "written with other releases (vllm 0.30.0 -> 0.32.0)" in warned[0]
+    # a key an earlier eagle-extract did not record is not compared: its unfinished runs still resume
+    out.refuse_other_runs(tmp_path, {**upgraded, "decoder_path": None}, None)
+
+
+def test_the_identity_holds_the_tokenizer_and_template_and_only_engine_arguments_that_change_states(tmp_path, smollm2):
+    from eagle_extract.config import ExtractConfig
+    from eagle_extract.plan import make_plan
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]})
+    )
+    copy = tmp_path / "model"
+    shutil.copytree(smollm2, copy)
+
+    def identity(**options):
+        cfg = ExtractConfig(model=str(copy), data=data, output=tmp_path / "o", **options)
+        return make_plan(cfg).identity
+
+    before = identity(engine_args={"gpu_memory_utilization": 0.5, "quantization": "fp8"})
+    assert before["engine_args"] == {"quantization": "fp8"}  # memory may change between runs, numerics not
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config["chat_template"] = config.get("chat_template", "") + "{# another template #}"
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    after = identity(engine_args={"quantization": "fp8"})
+    assert after["tokenizer_sha256"] != before["tokenizer_sha256"]
+    assert {k for k in before if before[k] != after[k]} == {"tokenizer_sha256"}

@@ -1,4 +1,5 @@
-"""--regenerate: the answers in the output are the model's own greedy output, turn by turn.
+"""--regenerate: the answers in the output are the model's own greedy output, turn by turn, also when
+a run killed midway is rerun.
 
 The oracle is vLLM run directly through its own chat API (`LLM.chat`), one batched call per
 turn, on the same weights in float32.
@@ -8,13 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
 from eagle_extract.data import tokenize_conversation
+from eagle_extract.regenerate import JOURNAL
 
 from .common import SAMPLE_DATA
 from .conftest import run_cli
@@ -56,8 +60,31 @@ def test_regenerate_questions_and_replace_dataset_answers_skipping_bad_rows(tmp_
     bad = ['{"turns": ["unterminated', json.dumps({"messages": [{"role": "wizard", "content": "hi"}]})]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n".join(bad) + "\n")
     out = tmp_path / "out"
-    args = ["--data", str(data), "--output", str(out), "--regenerate", "--max-new-tokens", str(MAX_NEW)]
-    run_cli("--model", str(smollm2), *args, "--dtype", "float32", "--seq-length", "512")
+    args = ["--model", str(smollm2), "--data", str(data), "--output", str(out), "--regenerate"]
+    args += ["--max-new-tokens", str(MAX_NEW), "--dtype", "float32", "--seq-length", "512", "--batch-size", "1"]
+
+    # killed mid-regeneration: the answers of its finished engine calls (one answer each here) are kept ...
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "eagle_extract", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    journal = out / JOURNAL
+    try:
+        deadline = time.time() + 300
+        while not (journal.exists() and journal.read_bytes().count(b"\n") >= 2):
+            assert time.time() < deadline and killed.poll() is None, "no answers were journaled"
+            time.sleep(0.02)
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+    assert not (out / "regenerated.jsonl").exists()
+    kept = journal.read_bytes().count(b"\n")
+    # ... and the rerun generates only the rest
+    resumed = run_cli(*args)
+    assert f"continuing the regeneration after the {kept} answers an interrupted run kept" in resumed.stdout
+    assert not journal.exists()
 
     saved = [json.loads(x) for x in (out / "regenerated.jsonl").open()]
     user_turns = [r["turns"] for r in rows[:4]] + [["Name a colour."]]
@@ -75,6 +102,7 @@ def test_regenerate_questions_and_replace_dataset_answers_skipping_bad_rows(tmp_
         assert ds[i]["input_ids"].tolist() == ids and ds[i]["loss_mask"].tolist() == mask
     manifest = json.loads((out / "eagle_extract.json").read_text())
     assert manifest["num_samples"] == 5 and manifest["regenerated"]["answers"] == 6
+    assert manifest["regenerated"]["kept_answers"] == kept
     report = [json.loads(x) for x in (out / "skipped_rows.jsonl").open()]
     assert [(r["row"], r["reason"].split(" (")[0]) for r in report] == [
         (5, "malformed JSON line"),
