@@ -146,6 +146,14 @@ def main():
     "--seed", type=int, default=D.seed, show_default=True, help="--regenerate sampling seed (plus row number)."
 )
 @click.option(
+    "--regenerate-batch-size",
+    type=int,
+    default=D.regenerate_batch_size,
+    show_default=True,
+    help="--regenerate: prompts per generate call, whose answers are saved together as the call returns (a rerun "
+    "continues after them); more keeps the engine fuller at the end of each call.",
+)
+@click.option(
     "--dtype",
     type=click.Choice(CHOICES["dtype"]),
     default=D.dtype,

@@ -26,6 +26,7 @@ CHOICES = {  # the options that take one of a few words; the CLI offers exactly 
 
 _TYPES = {  # what each option takes, where a wrong type would otherwise fail deep inside the run
     **dict.fromkeys(("tp", "pp", "dp", "seq_length", "max_new_tokens", "seed", "batch_size"), (int,)),
+    "regenerate_batch_size": (int,),
     **dict.fromkeys(("max_samples", "max_num_batched_tokens", "writer_threads"), (int, type(None))),
     **dict.fromkeys(("temperature", "top_p"), (int, float)),
     **dict.fromkeys(("host_memory", "stall_timeout"), (int, float, type(None))),
@@ -70,6 +71,7 @@ class ExtractConfig:
     top_p: float = 1.0
     max_new_tokens: int = 1024
     seed: int = 0
+    regenerate_batch_size: int = 4096  # prompts per generate call of --regenerate, journaled together
     dtype: str = "auto"
     batch_size: int = 256
     max_num_batched_tokens: int | None = None

@@ -21,7 +21,6 @@ from .data import LoadReport, Sample
 from .errors import ExtractError
 from .layers import CONVENTION, legacy_layer_ids
 from .plan import Plan, make_plan, plan_samples
-from .runlog import terminal
 from .stages import PARTS_DIR
 from .version import __version__
 from .writer import (
@@ -56,29 +55,37 @@ def _other_identities(output: Path, own: Path | None = None) -> list[dict]:
     return found
 
 
-WARNED = ("versions",)  # identity keys a resumed run may change: other releases, states equal to the last bits or not
+WARN_ONLY = ("versions",)  # identity keys a resumed run may change, told: other releases, equal to the last bits or not
 
 
-def identity_changes(previous: dict, identity: dict, keys=None) -> list[str]:
-    """The identity keys (default: all but WARNED) whose values differ; a key the previous record lacks (an
-    earlier eagle-extract's) is not compared."""
-    keys = [k for k in identity if k not in WARNED] if keys is None else keys
-    return [k for k in keys if k in previous and previous[k] != identity[k]]
+def identity_changes(previous: dict, identity: dict) -> list[str]:
+    """The identity keys (but WARN_ONLY) whose values differ.  A key the previous record lacks (an earlier
+    eagle-extract's) is not compared, but for its `tokenizer`, which engine_args now holds."""
+    if "tokenizer" in previous and "engine_args" not in previous:  # an earlier release's record: its tokenizer only
+        args = {k: v for k, v in identity["engine_args"].items() if k != "tokenizer"}
+        if previous["tokenizer"] is not None:
+            args["tokenizer"] = previous["tokenizer"]
+        previous = {**previous, "engine_args": args}
+    return [k for k in identity if k not in WARN_ONLY and k in previous and previous[k] != identity[k]]
 
 
-_warned: set = set()
+def other_releases(output: Path, identity: dict, shard: tuple[int, int] | None) -> str | None:
+    """What differs between the releases the unfinished run in `output` wrote its rows with and these."""
+    own = Path(output) / run_file(shard)
+    old = _record(own).get("versions") if own.exists() else None
+    new = identity["versions"]
+    if not isinstance(old, dict) or old == new:
+        return None
+    changed = ", ".join(f"{k} {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k])
+    return (
+        f"{output}'s rows so far were written with other releases ({changed}); their states may differ from "
+        "this run's in the last bits: pass --overwrite to write every row with these"
+    )
 
 
-def _warn_releases(output: Path, previous: dict, identity: dict) -> None:
-    if identity_changes(previous, identity, WARNED) and output not in _warned:
-        _warned.add(output)
-        old, new = previous["versions"], identity["versions"]
-        changed = ", ".join(f"{k} {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k])
-        print(
-            f"warning: {output}'s rows so far were written with other releases ({changed}); their states may "
-            "differ from this run's in the last bits: pass --overwrite to write every row with these",
-            file=terminal(),
-        )
+def heartbeat_name(shard: tuple[int, int] | None) -> str:
+    """The file the engine's workers touch while they step (watch.py)."""
+    return ".eagle_extract_heartbeat" if shard is None else f".eagle_extract_heartbeat.{shards.shard_name(shard)}"
 
 
 def _record(path: Path) -> dict:
@@ -256,7 +263,6 @@ def refuse_other_runs(output: Path, identity: dict, shard: tuple[int, int] | Non
     recorded = ([_record(own)] if own.exists() else []) + _other_identities(output, own)
     for previous in (r for r in recorded if isinstance(r, dict)):
         changed = identity_changes(previous, identity)
-        _warn_releases(output, previous, identity)
         if changed:
             k = changed[0]
             fix = "use the other shards' settings" if shard else "pass --overwrite to start over"
@@ -264,6 +270,19 @@ def refuse_other_runs(output: Path, identity: dict, shard: tuple[int, int] | Non
                 f"--output {output} holds an unfinished run with a different {k} "
                 f"({previous.get(k)!r}, now {identity[k]!r}); {fix}"
             )
+
+
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def kept_dtype(output: Path, index: int) -> str | None:
+    """The model dtype row `index`'s file holds its states in, from its header (None when unreadable)."""
+    try:
+        with open(hidden_state_path(output, index), "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        return SAFETENSORS_DTYPES.get(header["hidden_states"]["dtype"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def kept_file_problem(path: Path, tokens: int, slots: int, hidden: int, legacy: bool) -> str | None:
@@ -358,8 +377,13 @@ def complete(plan: Plan, samples: list[Sample], report: LoadReport, runs: list[d
     except OSError as exc:
         raise ExtractError(f"writing the dataset files in {output}: {exc.strerror or exc}; rerun to finish") from None
     extract_s = max(r["extract_s"] for r in runs)
-    engines = [r["capture"].get("dtype") for r in runs if isinstance(r.get("capture"), dict)]
-    dtype = next((d for d in engines if d), plan.dtype)  # the engine's: --dtype auto may not be config.json's
+    engines = {r["capture"].get("dtype") for r in runs if isinstance(r.get("capture"), dict)} - {None}
+    if len(engines) > 1:
+        raise ExtractError(
+            f"the shards' engines ran in different dtypes ({', '.join(sorted(engines))}, --dtype {cfg.dtype}); "
+            "rerun the odd shards with --overwrite on machines that choose the same, or give --dtype"
+        )
+    dtype = engines.pop() if engines else plan.dtype  # the engine's: --dtype auto may not be config.json's
     manifest = {
         "format": LEGACY if cfg.legacy else "speculators-offline",
         "identity": plan.identity,

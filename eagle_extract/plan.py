@@ -59,15 +59,23 @@ def make_plan(cfg: ExtractConfig) -> Plan:
     return Plan(cfg, shape, aux_ids, tokenizer, triples, identity(cfg, shape, aux_ids, tokenizer), shard)
 
 
-# Engine arguments that change the states or the tokens: a resumed run must pass the same ones.  Any other
-# (memory, scheduling, executor) may change between runs.
-STATE_ARGS = (
-    "tokenizer", "tokenizer_mode", "tokenizer_revision", "revision", "code_revision", "hf_config_path",
-    "hf_overrides", "quantization", "kv_cache_dtype", "calculate_kv_scales", "load_format", "seed", "model_impl",
+# Engine arguments a resumed run may change: memory, scheduling, the executor, logging.  Every other one
+# (quantization, kv-cache dtype, load format, revision, tokenizer, hf_overrides, ...) may change the states
+# or the tokens, so a resumed run must pass it as the first run did.
+FREE_ARGS = frozenset(
+    {
+        "gpu_memory_utilization", "kv_cache_memory_bytes", "swap_space", "cpu_offload_gb", "max_num_seqs",
+        "num_gpu_blocks_override", "max_num_partial_prefills", "max_long_partial_prefills",
+        "long_prefill_token_threshold", "scheduling_policy", "scheduler_cls", "async_scheduling",
+        "distributed_executor_backend", "disable_custom_all_reduce", "ray_workers_use_nsight",
+        "disable_log_stats", "enable_log_requests", "disable_log_requests", "max_logprobs", "download_dir",
+        "max_parallel_loading_workers", "safetensors_load_strategy", "enable_sleep_mode", "worker_cls",
+        "data_parallel_backend", "pt_load_map_location",
+    }
 )  # fmt: skip
 TOKENIZER_FILES = re.compile(
-    r"tokenizer.*|.*\.(tiktoken|model|jinja)|vocab\..*|merges\.txt|special_tokens_map\.json|added_tokens\.json"
-    r"|chat_template.*"
+    r"tokenizer.*|tekken\.json|.*\.(tiktoken|model|jinja)|vocab\..*|merges\.txt|special_tokens_map\.json"
+    r"|added_tokens\.json|chat_template.*"
 )
 
 
@@ -75,7 +83,7 @@ def identity(cfg: ExtractConfig, shape: ModelShape, aux_ids: list[int], tokenize
     """What a resumed run must share with the run it continues (output.WARNED: or be warned about)."""
     return {
         "model": str(Path(cfg.model).resolve()),
-        "engine_args": {k: v for k, v in sorted(cfg.engine_args.items()) if k in STATE_ARGS},
+        "engine_args": {k: v for k, v in sorted(cfg.engine_args.items()) if k not in FREE_ARGS},
         "decoder_path": cfg.decoder_path,
         "tokenizer_sha256": tokenizer_sha256(cfg, tokenizer),
         "versions": releases(),

@@ -105,7 +105,8 @@ def check_options(cfg: ExtractConfig) -> None:
     for name, choices in CHOICES.items():
         if getattr(cfg, name) not in choices:
             raise ExtractError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: choose one of {', '.join(choices)}")
-    for name in ("dp", "writer_threads", "batch_size", "max_samples", "max_num_batched_tokens", "max_new_tokens"):
+    at_least_one = ("dp", "writer_threads", "batch_size", "regenerate_batch_size", "max_samples")
+    for name in (*at_least_one, "max_num_batched_tokens", "max_new_tokens"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ExtractError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
     if cfg.layers is not None and not cfg.layers.strip():

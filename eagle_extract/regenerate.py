@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .atomic import write_atomically
 from .config import ExtractConfig
+from .errors import ExtractError
 from .formats import Record
 from .runlog import progress
 
@@ -42,10 +43,11 @@ def answers(llm, cfg: ExtractConfig, tokenizer, records: list[Record], log, beat
     the answers an interrupted run journaled) and saved.  `beat` tells the engine watch the run moves."""
     output = Path(cfg.output)
     saved = load(output, records)
+    journal = Journal(output / JOURNAL)
     if saved is not None:
+        journal.path.unlink(missing_ok=True)  # a run that died right after saving them left it
         log(f"using the {REGENERATED} an interrupted run already wrote")
         return saved, {"reused": True}
-    journal = Journal(output / JOURNAL)
     kept = journal.read()
     if kept:
         log(f"continuing the regeneration after the {sum(map(len, kept.values()))} answers an interrupted run kept")
@@ -87,10 +89,16 @@ class Journal:
         return kept
 
     def append(self, entries: list[dict]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries))
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:  # a full disk, most likely: the answers before these are kept
+            raise ExtractError(
+                f"saving answers to {self.path}: {exc.strerror or exc}; free space and rerun the same command "
+                "to continue the regeneration"
+            ) from None
 
 
 def regenerate(
@@ -132,6 +140,8 @@ def regenerate(
                         del todo[i]
                         break
                     ids = _prompt_ids(tokenizer, convo)
+                    if beat:
+                        beat()  # tokenizing a million conversations is progress too
                     room = min(cfg.max_new_tokens, cfg.seq_length - len(ids))
                     if room <= 0:  # this turn cannot fit: the conversation ends with the previous answer
                         stats.cut_at_seq_length += 1
@@ -151,8 +161,9 @@ def regenerate(
                     answered(i, *kept[records[i].row][turn])
                     stats.kept_answers += 1
                     bar.update(1)
-            for start in range(0, len(prompts), cfg.batch_size):  # each engine call's answers are kept at once
-                chunk, who = prompts[start : start + cfg.batch_size], owners[start : start + cfg.batch_size]
+            size = cfg.regenerate_batch_size
+            for start in range(0, len(prompts), size):  # each engine call's answers are kept at once
+                chunk, who = prompts[start : start + size], owners[start : start + size]
                 outputs = llm.generate([p for p, _, _ in chunk], [s for _, s, _ in chunk], use_tqdm=False)
                 entries = []
                 for i, (_, _, turn), out in zip(who, chunk, outputs):
@@ -181,7 +192,12 @@ def save(output: Path, records: list[Record]) -> None:
                 if rec.messages is not None:
                     f.write(json.dumps({"row": rec.row, "messages": rec.messages}, ensure_ascii=False) + "\n")
 
-    write_atomically(Path(output) / REGENERATED, write, durable=True)
+    try:
+        write_atomically(Path(output) / REGENERATED, write, durable=True)
+    except OSError as exc:  # a full disk: the journal still holds every answer
+        raise ExtractError(
+            f"saving {REGENERATED} in {output}: {exc.strerror or exc}; free space and rerun the same command"
+        ) from None
 
 
 def load(output: Path, records: list[Record]) -> list[Record] | None:

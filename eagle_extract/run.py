@@ -19,7 +19,7 @@ from .hostmem import default_budget
 from .plan import Plan, make_plan, plan_samples
 from .runlog import RunLog, progress
 from .stages import PartJoiner, check_layout
-from .watch import EngineWatch
+from .watch import HEARTBEAT_S, EngineWatch
 from .writer import completed_rows
 
 
@@ -39,7 +39,7 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         if not staged.overwrite:  # before the engine's log starts
             out.refuse_other_runs(target, plan.identity, plan.shard)
         log_path = output / out.log_name(plan.shard)
-        watch = EngineWatch(cfg.stall_timeout or None, log_path)
+        watch = EngineWatch(cfg.stall_timeout or None, log_path, target / out.heartbeat_name(plan.shard))
         try:
             with RunLog(log_path, log) as run_log:
                 watch.note = run_log.note
@@ -74,48 +74,46 @@ def _extract(plan: Plan, rows: tuple | None, run_log: RunLog, watch: EngineWatch
 def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog, watch: EngineWatch) -> dict:
     cfg, output, log = plan.cfg, Path(plan.cfg.output), run_log.say
     llm, start_s, regenerated = None, 0.0, None
-    if rows is None:
-        out.prepare_output(output, plan.identity, cfg.overwrite)
-        t0 = time.perf_counter()
-        with engine_errors():
-            llm = start_engine(cfg, cfg.seq_length + 1)
-            watch.start()
-            start_s = time.perf_counter() - t0
-            usable = [r for r, _, _ in plan.triples if r is not None][: cfg.max_samples]
-            records, regenerated = regenerate.answers(llm, cfg, plan.tokenizer, usable, log, watch.beat)
-        watch.pause()  # tokenizing the answers is the driver's own work
-        bad = [(None, n, why) for r, n, why in plan.triples if r is None]
-        triples = sorted([(r, r.row, None) for r in records] + bad, key=lambda t: t[1])
-        rows = _sized(plan, *plan_samples(plan, triples))
-    samples, report, mine, todo_tokens, expected_bytes, free = rows
-    fresh = cfg.overwrite and not cfg.regenerate  # a regenerating run prepared (and cleared) the folder already
-    done = out.prepare_output(output, plan.identity, fresh, plan.shard, mine)
-    if done:
-        log(f"checking the {len(done)} row files an interrupted run wrote")
-    damaged = out.drop_damaged(
-        output, {i: len(samples[i].input_ids) for i in done}, plan.slot_ids, plan.shape.hidden_size, cfg.legacy
-    )
-    done -= damaged
-    todo = [(i, samples[i]) for i in sorted(mine - done)]
-    part = f" (shard {cfg.shard}: {len(mine)} of them)" if plan.shard else ""
-    resumed = f"; resuming, {len(done)} rows already written" if done else ""
-    resumed += f" ({len(damaged)} damaged files are written again)" if damaged else ""
-    log(
-        f"{len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens{part}; slots for layers "
-        f"{plan.slot_ids}; about {expected_bytes / 2**20:.1f} MiB of hidden states to write "
-        f"({free / 2**30:.1f} GiB free){resumed}"
-    )
+    changed = out.other_releases(output, plan.identity, plan.shard)
+    if changed:
+        log(f"warning: {changed}")
     try:
+        if rows is None:
+            out.prepare_output(output, plan.identity, cfg.overwrite)
+            with engine_errors():
+                llm, start_s = _start(cfg, cfg.seq_length + 1, watch)
+                usable = [r for r, _, _ in plan.triples if r is not None][: cfg.max_samples]
+                records, regenerated = regenerate.answers(llm, cfg, plan.tokenizer, usable, log, watch.beat)
+            watch.pause()  # tokenizing the answers is the driver's own work
+            bad = [(None, n, why) for r, n, why in plan.triples if r is None]
+            triples = sorted([(r, r.row, None) for r in records] + bad, key=lambda t: t[1])
+            rows = _sized(plan, *plan_samples(plan, triples))
+        samples, report, mine, todo_tokens, expected_bytes, free = rows
+        fresh = cfg.overwrite and not cfg.regenerate  # a regenerating run prepared (and cleared) the folder already
+        done = out.prepare_output(output, plan.identity, fresh, plan.shard, mine)
+        if done:
+            log(f"checking the {len(done)} row files an interrupted run wrote")
+        damaged = out.drop_damaged(
+            output, {i: len(samples[i].input_ids) for i in done}, plan.slot_ids, plan.shape.hidden_size, cfg.legacy
+        )
+        done -= damaged
+        todo = [(i, samples[i]) for i in sorted(mine - done)]
+        part = f" (shard {cfg.shard}: {len(mine)} of them)" if plan.shard else ""
+        resumed = f"; resuming, {len(done)} rows already written" if done else ""
+        resumed += f" ({len(damaged)} damaged files are written again)" if damaged else ""
+        log(
+            f"{len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens{part}; slots for layers "
+            f"{plan.slot_ids}; about {expected_bytes / 2**20:.1f} MiB of hidden states to write "
+            f"({free / 2**30:.1f} GiB free){resumed}"
+        )
         with engine_errors():
             if llm is None:
-                t0 = time.perf_counter()
-                llm = start_engine(cfg, max(len(s.input_ids) for s in samples) + 1)  # room for the one sampled token
-                watch.start()
-                start_s = time.perf_counter() - t0
+                llm, start_s = _start(cfg, max(len(s.input_ids) for s in samples) + 1, watch)  # + the sampled token
             written, stats, extract_s = _capture(llm, plan, len(samples), todo, done, run_log.note, watch.beat)
     finally:
-        watch.stop.set()
+        watch.stop.set()  # before the engine goes: its processes end now
         llm = None  # the engine stops now, into the run's log (frames vLLM's imports keep alive would hold it)
+        watch.heartbeat.unlink(missing_ok=True)
     missing = sorted(mine - written)
     if missing:
         raise ExtractError(
@@ -138,6 +136,16 @@ def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog, watch: Engine
     return out.complete_shard(plan, samples, report, summary, log)
 
 
+def _start(cfg: ExtractConfig, max_model_len: int, watch: EngineWatch) -> tuple:
+    """The engine, watched, and the seconds it took to start."""
+    t0 = time.perf_counter()
+    watch.expect_engine()
+    llm = start_engine(cfg, max_model_len)
+    llm.collective_rpc("eagle_heartbeat", args=(str(watch.heartbeat), HEARTBEAT_S))
+    watch.start()
+    return llm, time.perf_counter() - t0
+
+
 def _batches(items: list, size: int):
     for start in range(0, len(items), size):
         yield items[start : start + size]
@@ -153,7 +161,11 @@ def _drain(llm, wait: bool) -> dict:
         "written_by": [r["written"] for r in reports],
         "pending": sorted({i for r in reports for i in r["pending"]}),
         "stats": reports[0]["stats"] if reports else {},
-        "matching": [sum(r["stats"].get(k, 0) for r in reports) for k in MATCH_COUNTS],
+        # every pipeline stage settles every row: the stage that lost most tells
+        "matching": [max((r["stats"].get(k, 0) for r in reports), default=0) for k in MATCH_COUNTS],
+        "first_unmatched": min(
+            (f for r in reports if (f := r["stats"].get("first_unmatched_row")) is not None), default=None
+        ),
     }
 
 
@@ -176,8 +188,8 @@ def _check_matching(history: list[tuple[int, int]], first: int | None) -> None:
         raise ExtractError(
             f"rows stopped matching the captured states: {lost[0]} of the last {lost[1]} rows the engine ran got "
             f"none (first: row {first}), so the engine ran other tokens than the prompts or the hooks sit on "
-            "layers the prompts do not run (--decoder-path); every completed row is kept: report this with the "
-            "run's log"
+            "layers the prompts do not run: with --decoder-path, name the text decoder's layers; without it, "
+            "report this with the run's log; every completed row is kept"
         )
 
 
@@ -196,6 +208,13 @@ def _capture(llm, plan: Plan, total: int, todo: list, done: set[int], note, beat
         check_layout(writers, plan.shape.num_layers, len(plan.slot_ids))
     except ValueError as exc:
         raise ExtractError(f"{exc}; report this as a bug with the model class {installed[0]['model_class']}") from None
+    kept = out.kept_dtype(Path(cfg.output), min(done)) if done and not (cfg.fp8 or cfg.legacy) else None
+    if kept and kept != writers[0]["dtype"]:
+        raise ExtractError(
+            f"the engine runs in {writers[0]['dtype']}, but the {len(done)} rows already written are {kept} "
+            f"(--dtype {cfg.dtype} chose otherwise where they were written); resume where it chooses {kept}, or "
+            f"pass --overwrite (and --dtype) to start over"
+        )
     joiner = None
     if any(w["part"] for w in writers):  # pipeline stages: join their part files into rows
         masks = {i: s.loss_mask for i, s in todo} if cfg.legacy else None
@@ -207,8 +226,7 @@ def _capture(llm, plan: Plan, total: int, todo: list, done: set[int], note, beat
             return
         try:
             joiner.add(report["written_by"])
-            if last:
-                written.update(joiner.finish())
+            written.update(joiner.finish() if last else joiner.joined_so_far())
         except Exception as exc:  # a full disk, or stages that disagree: one line, like the writers'
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise ExtractError(f"joining the pipeline stages' files: {why}") from None
@@ -239,11 +257,11 @@ def _capture(llm, plan: Plan, total: int, todo: list, done: set[int], note, beat
                 f"unmatched: {lost} rows, {lost_tokens} tokens; {dropped} dropped steps; {rate} tok/s"
             )
             history.append((settled, lost))
-            _check_matching(history, got["stats"].get("first_unmatched_row"))
+            _check_matching(history, got["first_unmatched"])
         got = _drain(llm, wait=True)
         record(got, last=True)
         history.append(tuple(got["matching"][:2]))
-        _check_matching(history, got["stats"].get("first_unmatched_row"))
+        _check_matching(history, got["first_unmatched"])
         bar.update(len(written) - bar.n)
     extract_s = time.perf_counter() - t1
     llm.collective_rpc("eagle_remove")

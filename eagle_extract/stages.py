@@ -127,6 +127,10 @@ class PartJoiner:
         with self._lock:
             self.joined.add(index)
 
+    def joined_so_far(self) -> set[int]:
+        with self._lock:
+            return set(self.joined)
+
     def finish(self) -> set[int]:
         """Wait for every join, raise the first failure, and remove the part folders once empty
         (shards of the same output may still be writing theirs)."""

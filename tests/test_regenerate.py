@@ -61,11 +61,11 @@ def test_regenerate_questions_and_replace_dataset_answers_skipping_bad_rows(tmp_
     data.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n".join(bad) + "\n")
     out = tmp_path / "out"
     args = ["--model", str(smollm2), "--data", str(data), "--output", str(out), "--regenerate"]
-    args += ["--max-new-tokens", str(MAX_NEW), "--dtype", "float32", "--seq-length", "512", "--batch-size", "1"]
+    args += ["--max-new-tokens", str(MAX_NEW), "--dtype", "float32", "--seq-length", "512"]
 
     # killed mid-regeneration: the answers of its finished engine calls (one answer each here) are kept ...
     killed = subprocess.Popen(
-        [sys.executable, "-m", "eagle_extract", *args],
+        [sys.executable, "-m", "eagle_extract", *args, "--regenerate-batch-size", "1"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -81,7 +81,7 @@ def test_regenerate_questions_and_replace_dataset_answers_skipping_bad_rows(tmp_
         killed.wait()
     assert not (out / "regenerated.jsonl").exists()
     kept = journal.read_bytes().count(b"\n")
-    # ... and the rerun generates only the rest
+    # ... and the rerun generates only the rest, several conversations per engine call
     resumed = run_cli(*args)
     assert f"continuing the regeneration after the {kept} answers an interrupted run kept" in resumed.stdout
     assert not journal.exists()
@@ -109,3 +109,36 @@ def test_regenerate_questions_and_replace_dataset_answers_skipping_bad_rows(tmp_
         (6, "unknown role 'wizard'"),
     ]
     assert manifest["skipped"] == 2
+
+
+def test_kept_answers_replay_every_turn_and_a_torn_last_line_is_dropped(tmp_path, smollm2):
+    """What a rerun does with an interrupted run's journal, every answer kept (so no engine call is made):
+    later turns see the kept answers, a turn that no longer fits --seq-length still ends its conversation,
+    and a line a power cut tore is dropped and cut off, so the next append starts a whole line."""
+    from eagle_extract.config import ExtractConfig
+    from eagle_extract.formats import Record
+    from eagle_extract.regenerate import Journal, regenerate
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    model = lambda text: {"role": "assistant", "content": text}  # noqa: E731
+    records = [
+        Record(0, messages=[user("One?"), model("DATASET"), user("Two?")]),
+        Record(3, messages=[user("Short?"), user("word " * 300)]),  # its second turn cannot fit 128 tokens
+    ]
+    journal = Journal(tmp_path / JOURNAL)
+    journal.append([
+        {"row": 0, "turn": 0, "text": "first", "finish": "stop"},
+        {"row": 0, "turn": 1, "text": "second", "finish": "length"},
+        {"row": 3, "turn": 0, "text": "short", "finish": "stop"},
+    ])  # fmt: skip
+    with open(journal.path, "a") as f:
+        f.write('{"row": 3, "turn": 1, "te')  # torn
+    kept = journal.read()
+    assert kept == {0: {0: ("first", "stop"), 1: ("second", "length")}, 3: {0: ("short", "stop")}}
+    assert journal.path.read_text().endswith('"finish": "stop"}\n')
+    cfg = ExtractConfig(seq_length=128, max_new_tokens=16)
+    result, stats = regenerate(None, tokenizer, records, cfg, kept)
+    assert result[0].messages == [user("One?"), model("first"), user("Two?"), model("second")]
+    assert result[1].messages == [user("Short?"), model("short")]
+    assert (stats.kept_answers, stats.answers, stats.hit_max_new_tokens, stats.cut_at_seq_length) == (3, 3, 1, 1)
