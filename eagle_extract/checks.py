@@ -131,7 +131,7 @@ def consistency_problems(m: dict) -> list[str]:
         if m["legacy_layer_ids"] != want:
             problems.append(f"legacy_layer_ids {j(m['legacy_layer_ids'])}, expected {j(want)} for {m['format']}")
     dtype, stored = m.get("dtype"), m.get("storage_dtype")
-    asked = config.get("dtype", "auto") != "auto"  # with --dtype auto the engine may choose another than config.json's
+    asked = config.get("dtype") != "auto"  # with --dtype auto the engine may choose another than config.json's
     if dtype is not None and "identity" in m and asked and identity.get("dtype") != dtype:
         problems.append(f"dtype {j(dtype)} differs from identity.dtype {j(identity.get('dtype'))}")
     if dtype is not None and stored is not None and stored not in (dtype, "float8_e4m3fn"):

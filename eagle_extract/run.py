@@ -81,7 +81,10 @@ def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog, watch: Engine
         if rows is None:
             out.prepare_output(output, plan.identity, cfg.overwrite)
             with engine_errors():
-                llm, start_s = _start(cfg, cfg.seq_length + 1, watch)
+                t0 = time.perf_counter()
+                watch.expect_engine()
+                llm = start_engine(cfg, cfg.seq_length + 1)
+                start_s = _watched(llm, watch, t0)
                 usable = [r for r, _, _ in plan.triples if r is not None][: cfg.max_samples]
                 records, regenerated = regenerate.answers(llm, cfg, plan.tokenizer, usable, log, watch.beat)
             watch.pause()  # tokenizing the answers is the driver's own work
@@ -108,7 +111,10 @@ def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog, watch: Engine
         )
         with engine_errors():
             if llm is None:
-                llm, start_s = _start(cfg, max(len(s.input_ids) for s in samples) + 1, watch)  # + the sampled token
+                t0 = time.perf_counter()
+                watch.expect_engine()
+                llm = start_engine(cfg, max(len(s.input_ids) for s in samples) + 1)  # room for the sampled token
+                start_s = _watched(llm, watch, t0)
             written, stats, extract_s = _capture(llm, plan, len(samples), todo, done, run_log.note, watch.beat)
     finally:
         watch.stop.set()  # before the engine goes: its processes end now
@@ -136,14 +142,13 @@ def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog, watch: Engine
     return out.complete_shard(plan, samples, report, summary, log)
 
 
-def _start(cfg: ExtractConfig, max_model_len: int, watch: EngineWatch) -> tuple:
-    """The engine, watched, and the seconds it took to start."""
-    t0 = time.perf_counter()
-    watch.expect_engine()
-    llm = start_engine(cfg, max_model_len)
-    llm.collective_rpc("eagle_heartbeat", args=(str(watch.heartbeat), HEARTBEAT_S))
+def _watched(llm, watch: EngineWatch, t0: float) -> float:
+    """Start watching the engine started at `t0`; returns the seconds it took to start.  (Not the frame
+    that starts it: a traceback vLLM keeps from its start holds that frame, and with it its locals.)"""
+    every = min(HEARTBEAT_S, (watch.stall_s or HEARTBEAT_S) / 4)  # several touches within any stall limit
+    llm.collective_rpc("eagle_heartbeat", args=(str(watch.heartbeat), every))
     watch.start()
-    return llm, time.perf_counter() - t0
+    return time.perf_counter() - t0
 
 
 def _batches(items: list, size: int):
@@ -211,9 +216,9 @@ def _capture(llm, plan: Plan, total: int, todo: list, done: set[int], note, beat
     kept = out.kept_dtype(Path(cfg.output), min(done)) if done and not (cfg.fp8 or cfg.legacy) else None
     if kept and kept != writers[0]["dtype"]:
         raise ExtractError(
-            f"the engine runs in {writers[0]['dtype']}, but the {len(done)} rows already written are {kept} "
-            f"(--dtype {cfg.dtype} chose otherwise where they were written); resume where it chooses {kept}, or "
-            f"pass --overwrite (and --dtype) to start over"
+            f"the engine runs in {writers[0]['dtype']}, but the {len(done)} rows already written are {kept}; "
+            f"resume where the engine runs in {kept} (--dtype auto can choose otherwise on another GPU or vLLM), "
+            "or pass --overwrite to start over"
         )
     joiner = None
     if any(w["part"] for w in writers):  # pipeline stages: join their part files into rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -183,6 +184,7 @@ def test_a_hung_engine_is_stopped_after_the_stall_timeout_and_leaves_no_process(
     args = _tiny_args(tiny_llama, mixed_conversations, tmp_path / "o", "--batch-size", "1", "--stall-timeout", "8")
     proc = _start(args, tmp_path / "log")
     _wait_for(lambda: list((tmp_path / "o" / "hidden_states").glob("hs_*.safetensors")))
+    assert (tmp_path / "o" / ".eagle_extract_heartbeat").exists()  # the workers touch it as they step
     engine = _engine_processes(proc)
     for worker in (p for p in engine if "Worker" in p.name()):
         worker.suspend()
@@ -193,6 +195,30 @@ def test_a_hung_engine_is_stopped_after_the_stall_timeout_and_leaves_no_process(
     last = _finish(proc, case)
     assert proc.returncode == 1 and "--stall-timeout 8" in last and not _alive(engine)
     assert last in (tmp_path / "o" / "eagle_extract.log").read_text()
+
+
+WATCHED = """
+import sys, time
+from pathlib import Path
+from eagle_extract.watch import EngineWatch
+beat = Path(sys.argv[1])
+watch = EngineWatch(stall_s=1.0, heartbeat=beat)
+watch.start()
+t0 = time.time()
+while time.time() - t0 < 4:  # an engine call of 4 s whose steps touch the heartbeat: progress
+    beat.touch()
+    time.sleep(0.2)
+print(f"stepped {time.time() - t0:.1f} s", flush=True)
+time.sleep(30)  # then nothing moves: a stall
+"""
+
+
+def test_engine_steps_count_as_progress_and_their_absence_as_a_stall(tmp_path):
+    """The watch alone, in a process of its own (it ends the process): no driver beat for 4 s, but steps."""
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path / "beat")], capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stdout.startswith("stepped 4."), (proc.stdout, proc.stderr)
+    assert re.search(r"made no progress for \d+ s \(--stall-timeout 1\)", proc.stderr) and time.time() - t0 < 15
 
 
 def test_one_output_folder_through_a_failure_a_rival_a_kill_a_power_cut_a_rerun_and_overwrites(
@@ -228,8 +254,18 @@ def test_one_output_folder_through_a_failure_a_rival_a_kill_a_power_cut_a_rerun_
     assert f"is being written by another eagle-extract run (pid {first.pid} on" in lines[0]
     assert_documented("Before the engine starts", "a second run into a folder a run is writing", lines[0])
 
-    # what a power cut can do to files whose names reached the disk before their bytes did
+    # a resume whose engine runs in another dtype than the rows so far (--dtype auto elsewhere) is refused
     kept = sorted((out / "hidden_states").glob("hs_*.safetensors"))
+    first = hidden_state_path(out, min(int(p.stem.split("_")[1]) for p in kept))
+    original, tensors = first.read_bytes(), load_file(str(first))
+    save_file({**tensors, "hidden_states": tensors["hidden_states"].bfloat16()}, str(first))
+    refused = run_cli(*args, check=False)
+    case = "a resume whose engine chose another dtype than the rows so far (`--dtype auto` on another GPU or vLLM)"
+    assert_documented(RUN, case, refused.stderr.strip().splitlines()[-1])
+    assert "runs in float32, but the" in refused.stderr and "are bfloat16" in refused.stderr
+    first.write_bytes(original)
+
+    # what a power cut can do to files whose names reached the disk before their bytes did
     assert 4 <= len(kept) < 24 and not (out / "eagle_extract.json").exists(), len(kept)
     kept[0].write_bytes(kept[0].read_bytes()[: kept[0].stat().st_size - 100])  # cut short
     kept[1].write_bytes(b"")  # emptied
