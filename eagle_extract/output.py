@@ -83,11 +83,6 @@ def other_releases(output: Path, identity: dict, shard: tuple[int, int] | None) 
     )
 
 
-def heartbeat_name(shard: tuple[int, int] | None) -> str:
-    """The file the engine's workers touch while they step (watch.py)."""
-    return ".eagle_extract_heartbeat" if shard is None else f".eagle_extract_heartbeat.{shards.shard_name(shard)}"
-
-
 def _record(path: Path) -> dict:
     try:
         record = json.loads(path.read_text())
@@ -372,18 +367,18 @@ def complete(plan: Plan, samples: list[Sample], report: LoadReport, runs: list[d
     missing = sorted(set(range(len(samples))) - completed_rows(output, cfg.legacy))
     if missing:
         raise ExtractError(f"{len(missing)} rows have no hidden-state file (first: row {missing[0]}); rerun to finish")
+    engines = {r["capture"].get("dtype") for r in runs if isinstance(r.get("capture"), dict)} - {None}
+    if len(engines) > 1:
+        raise ExtractError(
+            f"the shards' engines ran in different dtypes ({', '.join(sorted(engines))}, --dtype {cfg.dtype}), so "
+            "their rows differ in dtype; rerun every shard into a new output with --dtype set to one of them"
+        )
+    dtype = engines.pop() if engines else plan.dtype  # the engine's: --dtype auto may not be config.json's
     try:
         write_dataset(output, [s.input_ids for s in samples], [s.loss_mask for s in samples])
     except OSError as exc:
         raise ExtractError(f"writing the dataset files in {output}: {exc.strerror or exc}; rerun to finish") from None
     extract_s = max(r["extract_s"] for r in runs)
-    engines = {r["capture"].get("dtype") for r in runs if isinstance(r.get("capture"), dict)} - {None}
-    if len(engines) > 1:
-        raise ExtractError(
-            f"the shards' engines ran in different dtypes ({', '.join(sorted(engines))}, --dtype {cfg.dtype}); "
-            "rerun the odd shards with --overwrite on machines that choose the same, or give --dtype"
-        )
-    dtype = engines.pop() if engines else plan.dtype  # the engine's: --dtype auto may not be config.json's
     manifest = {
         "format": LEGACY if cfg.legacy else "speculators-offline",
         "identity": plan.identity,

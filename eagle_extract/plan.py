@@ -7,6 +7,7 @@ resumed run must match.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +71,8 @@ FREE_ARGS = frozenset(
         "distributed_executor_backend", "disable_custom_all_reduce", "ray_workers_use_nsight",
         "disable_log_stats", "enable_log_requests", "disable_log_requests", "max_logprobs", "download_dir",
         "max_parallel_loading_workers", "safetensors_load_strategy", "enable_sleep_mode", "worker_cls",
-        "data_parallel_backend", "pt_load_map_location",
+        "data_parallel_backend", "pt_load_map_location", "enable_chunked_prefill", "served_model_name",
+        "otlp_traces_endpoint", "collect_detailed_traces", "hf_token",
     }
 )  # fmt: skip
 TOKENIZER_FILES = re.compile(
@@ -80,24 +82,32 @@ TOKENIZER_FILES = re.compile(
 
 
 def identity(cfg: ExtractConfig, shape: ModelShape, aux_ids: list[int], tokenizer) -> dict:
-    """What a resumed run must share with the run it continues (output.WARNED: or be warned about)."""
-    return {
-        "model": str(Path(cfg.model).resolve()),
-        "engine_args": {k: v for k, v in sorted(cfg.engine_args.items()) if k not in FREE_ARGS},
-        "decoder_path": cfg.decoder_path,
-        "tokenizer_sha256": tokenizer_sha256(cfg, tokenizer),
-        "versions": releases(),
-        "data_sha256": sha256(Path(cfg.data)),
-        "data_format": cfg.data_format,
-        "aux_layer_ids": aux_ids,
-        "dtype": shape.dtype if cfg.dtype == "auto" else cfg.dtype,
-        "storage_dtype": cfg.storage_dtype,
-        "format": cfg.format,
-        "seq_length": cfg.seq_length,
-        "long_samples": cfg.long_samples,
-        "max_samples": cfg.max_samples,
-        "regenerate": [cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed] if cfg.regenerate else None,
-    }
+    """What a resumed run must share with the run it continues (output.WARN_ONLY: or be told about), as
+    plain JSON, which is how the run file and the manifest hold it."""
+    return _as_json(
+        {
+            "model": str(Path(cfg.model).resolve()),
+            "engine_args": {k: v for k, v in sorted(cfg.engine_args.items()) if k not in FREE_ARGS},
+            "decoder_path": cfg.decoder_path,
+            "tokenizer_sha256": tokenizer_sha256(cfg, tokenizer),
+            "versions": releases(),
+            "data_sha256": sha256(Path(cfg.data)),
+            "data_format": cfg.data_format,
+            "aux_layer_ids": aux_ids,
+            "dtype": shape.dtype if cfg.dtype == "auto" else cfg.dtype,
+            "storage_dtype": cfg.storage_dtype,
+            "format": cfg.format,
+            "seq_length": cfg.seq_length,
+            "long_samples": cfg.long_samples,
+            "max_samples": cfg.max_samples,
+            "regenerate": [cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed] if cfg.regenerate else None,
+        }
+    )
+
+
+def _as_json(identity: dict) -> dict:
+    """Tuples become lists, as reading a record back makes them (a value JSON cannot hold becomes its repr)."""
+    return json.loads(json.dumps(identity, default=repr))
 
 
 def tokenizer_sha256(cfg: ExtractConfig, tokenizer) -> str:

@@ -39,7 +39,7 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         if not staged.overwrite:  # before the engine's log starts
             out.refuse_other_runs(target, plan.identity, plan.shard)
         log_path = output / out.log_name(plan.shard)
-        watch = EngineWatch(cfg.stall_timeout or None, log_path, target / out.heartbeat_name(plan.shard))
+        watch = EngineWatch(cfg.stall_timeout or None, log_path)
         try:
             with RunLog(log_path, log) as run_log:
                 watch.note = run_log.note
@@ -74,7 +74,7 @@ def _extract(plan: Plan, rows: tuple | None, run_log: RunLog, watch: EngineWatch
 def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog, watch: EngineWatch) -> dict:
     cfg, output, log = plan.cfg, Path(plan.cfg.output), run_log.say
     llm, start_s, regenerated = None, 0.0, None
-    changed = out.other_releases(output, plan.identity, plan.shard)
+    changed = None if cfg.overwrite else out.other_releases(output, plan.identity, plan.shard)
     if changed:
         log(f"warning: {changed}")
     try:
@@ -119,7 +119,6 @@ def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog, watch: Engine
     finally:
         watch.stop.set()  # before the engine goes: its processes end now
         llm = None  # the engine stops now, into the run's log (frames vLLM's imports keep alive would hold it)
-        watch.heartbeat.unlink(missing_ok=True)
     missing = sorted(mine - written)
     if missing:
         raise ExtractError(

@@ -4,6 +4,7 @@ leaving no engine process behind."""
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,26 +22,28 @@ class EngineWatch:
     collective or a writer blocked on a network filesystem waits forever too.  Completed rows are whole
     files, so stopping at once loses nothing.
 
-    Progress is `beat()` from the driver (an engine call returned, a row was tokenized) or an engine step:
-    the workers touch `heartbeat` (worker.eagle_heartbeat).  `stall_s` seconds without either (None:
-    never) are a hang.  Engine processes are the descendants that appear after `expect_engine()` and
-    carry a vLLM process title: Ray's workers on this machine too, not those on other nodes (a stall
-    there is seen as a stall).  The watch's thread ends the process when it fails.
+    Progress is `beat()` from the driver (an engine call returned, a conversation was tokenized) or an
+    engine step: the workers touch `heartbeat`, a file in this machine's temporary folder (never the
+    output's filesystem, which may be the one that hangs; worker.eagle_heartbeat).  `stall_s` seconds
+    without either (None: never) are a hang.  Engine processes are the descendants that appear after
+    `expect_engine()` and carry a vLLM process title: Ray's workers on this machine too, not those on
+    other nodes (a stall there is seen as a stall).  The watch's thread ends the process when it fails.
     """
 
-    def __init__(self, stall_s: float | None = None, log_path=None, heartbeat: Path | None = None) -> None:
+    def __init__(self, stall_s: float | None = None, log_path=None) -> None:
         self.stop = threading.Event()
         self.failing = threading.Event()
         self.stall_s = stall_s
         self.log_path = log_path  # named at the end of the line, as every failure's line does
-        self.heartbeat = heartbeat
         self.note = None  # writes a line to the run's log
+        self.heartbeat: Path | None = None
         self.procs: dict[int, object] = {}  # pid -> psutil.Process, every engine process seen
-        self._before: set[int] = set()  # descendants that are not the engine's
-        self._last: float | None = time.time()
+        self._before: set[int] | None = None  # descendants that are not the engine's; None: no engine yet
+        self._last: float | None = time.monotonic()
+        self._seen_ns = 0  # the heartbeat's last mtime seen
 
     def beat(self) -> None:
-        self._last = time.time()
+        self._last = time.monotonic()
 
     def pause(self) -> None:
         """The driver works alone (tokenizing) until the next beat: no time limit meanwhile."""
@@ -51,6 +54,10 @@ class EngineWatch:
         import psutil
 
         self._before = {p.pid for p in psutil.Process().children(recursive=True)}
+        if self.heartbeat is None:
+            fd, name = tempfile.mkstemp(prefix="eagle_extract_heartbeat.")
+            os.close(fd)
+            self.heartbeat = Path(name)
 
     def start(self) -> None:
         self._scan()
@@ -60,6 +67,8 @@ class EngineWatch:
     def _scan(self) -> None:
         import psutil
 
+        if self._before is None:
+            return
         for proc in psutil.Process().children(recursive=True):
             if proc.pid in self.procs or proc.pid in self._before:
                 continue
@@ -70,12 +79,16 @@ class EngineWatch:
                 continue
 
     def _progress_at(self) -> float | None:
-        if self._last is None:
-            return None
+        """When the run last moved, on the monotonic clock: a beat, or a heartbeat touch seen since."""
         try:
-            return max(self._last, self.heartbeat.stat().st_mtime) if self.heartbeat else self._last
+            touched = self.heartbeat.stat().st_mtime_ns if self.heartbeat else 0
         except OSError:
-            return self._last
+            touched = self._seen_ns
+        if touched != self._seen_ns:
+            self._seen_ns = touched
+            if self._last is not None:
+                self._last = time.monotonic()
+        return self._last
 
     def _watch(self) -> None:
         scanned = time.monotonic()
@@ -87,7 +100,7 @@ class EngineWatch:
                 if not _running(proc):
                     self._fail(f"the vLLM engine failed (engine process {proc.pid} died)")
             since = self._progress_at()
-            idle = 0.0 if since is None else time.time() - since
+            idle = 0.0 if since is None else time.monotonic() - since
             if self.stall_s and idle > self.stall_s:
                 self._fail(
                     f"the run made no progress for {idle:.0f} s (--stall-timeout {self.stall_s:g}): a stalled "
@@ -100,17 +113,17 @@ class EngineWatch:
         self.failing.set()  # from now on the main thread waits in reap() for this thread to end the process
         line = f"Error: {what}; every completed row is kept: fix the cause and rerun the same command to resume"
         line += f" (the run's log: {self.log_path})" if self.log_path else ""
+        # stopping the engine or writing the log can block (a hung filesystem): the line and the exit come anyway
+        threading.Timer(30.0, _exit_with, (line,)).start()
         try:
+            self._stop_engine()
+            self._forget_heartbeat()
             if self.note:
                 self.note(line)
-            self._stop_engine()
         except (OSError, ValueError):  # the log closed meanwhile
             pass
         finally:
-            try:
-                print(line, file=terminal(), flush=True)
-            finally:
-                os._exit(1)
+            _exit_with(line)
 
     def reap(self) -> None:
         """Stop the watch, then every engine process still alive, so none is left holding GPUs.  While the
@@ -119,6 +132,11 @@ class EngineWatch:
         if self.failing.is_set():
             threading.Event().wait()
         self._stop_engine()
+        self._forget_heartbeat()
+
+    def _forget_heartbeat(self) -> None:
+        if self.heartbeat:
+            self.heartbeat.unlink(missing_ok=True)
 
     def _stop_engine(self, grace_s: float = 5.0) -> None:
         """SIGTERM to every engine process alive, SIGKILL to those still alive `grace_s` later."""
@@ -138,6 +156,13 @@ class EngineWatch:
             except psutil.Error:
                 pass
         psutil.wait_procs(left, timeout=grace_s)
+
+
+def _exit_with(line: str) -> None:
+    try:
+        print(line, file=terminal(), flush=True)
+    finally:
+        os._exit(1)
 
 
 def _running(proc) -> bool:
