@@ -163,7 +163,6 @@ def _drain(llm, wait: bool) -> dict:
         raise ExtractError(errors[0])
     return {
         "written_by": [r["written"] for r in reports],
-        "pending": sorted({i for r in reports for i in r["pending"]}),
         "stats": reports[0]["stats"] if reports else {},
         # every pipeline stage settles every row: the stage that lost most tells
         "matching": [max((r["stats"].get(k, 0) for r in reports), default=0) for k in MATCH_COUNTS],
