@@ -208,6 +208,13 @@ def main():
     help="Threads writing hidden-state files on the writing rank. [default: one per two CPU cores, 2 to 8]",
 )
 @click.option(
+    "--tokenize-processes",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Worker processes tokenizing the data ahead of the engine; 0 tokenizes in a thread of the driver. "
+    "[default: 0 for a data source under 32 MiB, else one per four CPU cores, 1 to 8]",
+)
+@click.option(
     "--host-memory",
     type=float,
     default=D.host_memory,

@@ -28,6 +28,7 @@ _TYPES = {  # what each option takes, where a wrong type would otherwise fail de
     **dict.fromkeys(("tp", "pp", "dp", "seq_length", "max_new_tokens", "seed", "batch_size"), (int,)),
     "regenerate_batch_size": (int,),
     **dict.fromkeys(("max_samples", "max_num_batched_tokens", "writer_threads"), (int, type(None))),
+    "tokenize_processes": (int, type(None)),
     **dict.fromkeys(("temperature", "top_p"), (int, float)),
     **dict.fromkeys(("host_memory", "stall_timeout"), (int, float, type(None))),
     **dict.fromkeys(("strict", "regenerate", "trust_remote_code", "overwrite", "check_disk"), (bool,)),
@@ -82,6 +83,7 @@ class ExtractConfig:
     storage_dtype: str = "model"  # or "fp8": speculators' FP8 layout, half the bytes of bf16
     format: str = "speculators"  # or LEGACY: speculators 0.3/0.4's data_{i}.pt files
     writer_threads: int | None = None  # None: writer.default_writer_threads()
+    tokenize_processes: int | None = None  # None: stream.default_processes()
     host_memory: float | None = None  # GiB of captured states in host memory; None: hostmem.default_budget()
     check_disk: bool = True  # the CLI's --no-disk-check sets it False
     stall_timeout: float | None = 1800.0  # seconds without progress that count as a hang; None or 0: never

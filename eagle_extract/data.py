@@ -140,6 +140,41 @@ def read_records(path: Path, data_format: str = "auto", strict: bool = False, ne
             yield None, number, str(exc)
 
 
+@dataclass
+class Skipped:
+    row: int
+    reason: str
+    long: bool = False  # over --seq-length with --long-samples skip
+
+
+def sample_from(record, number: int, reason: str | None, tokenizer, seq_length: int, options: dict) -> Sample | Skipped:
+    """One (record or None, row number, reason) triple as a sample, or why it is skipped; `options` are
+    long_samples, strict and source.  Under strict a bad row (not an over-long one) stops the run."""
+    try:
+        if record is None:
+            raise BadRow(reason)
+        if record.messages is not None and not getattr(tokenizer, "chat_template", None):
+            raise DataError("the model's tokenizer has no chat template; use a chat model or pre-tokenized rows")
+        ids, mask = tokenize_record(tokenizer, record)
+        if len(ids) > seq_length and options.get("long_samples") == "skip":
+            return Skipped(number, f"{len(ids)} tokens, longer than --seq-length {seq_length}", long=True)
+        truncated = len(ids) > seq_length
+        ids, mask = ids[:seq_length], mask[:seq_length]
+        if not any(mask):
+            raise BadRow(f"no trained (assistant) token within the first {seq_length} tokens")
+    except BadRow as exc:
+        if options.get("strict"):
+            where = row_name(options.get("source", "--data"), number)
+            raise DataError(f"{where}: {exc}; fix the row or run without --strict") from None
+        return Skipped(number, str(exc))
+    return Sample(number, ids, mask, truncated)
+
+
+def no_usable_rows(report: LoadReport, source) -> DataError:
+    reasons = "; ".join(f"row {n}: {why}" for n, why in report.skipped[:3])
+    return DataError(f"no usable rows in {source} ({reasons or 'it is empty'}); see docs/data.md for the formats")
+
+
 def make_samples(
     records,
     tokenizer,
@@ -149,36 +184,24 @@ def make_samples(
     strict: bool = False,
     source: str = "--data",
 ) -> tuple[list[Sample], LoadReport]:
-    """Tokenize (record, row number, reason) triples; bad and (with long_samples='skip')
-    over-long rows are skipped and listed in the report with their reason."""
+    """Tokenize (record, row number, reason) triples in memory, in one thread; bad and (with
+    long_samples='skip') over-long rows are skipped and listed in the report with their reason.
+    (A run streams the same through `stream.py`.)"""
     samples, report = [], LoadReport()
+    options = {"long_samples": long_samples, "strict": strict, "source": source}
     for record, number, reason in records:
         if max_samples is not None and len(samples) >= max_samples:
             break
         report.rows += 1
-        try:
-            if record is None:
-                raise BadRow(reason)
-            if record.messages is not None and not getattr(tokenizer, "chat_template", None):
-                raise DataError("the model's tokenizer has no chat template; use a chat model or pre-tokenized rows")
-            ids, mask = tokenize_record(tokenizer, record)
-            if len(ids) > seq_length and long_samples == "skip":
-                report.skipped_long += 1
-                raise BadRow(f"{len(ids)} tokens, longer than --seq-length {seq_length}")
-            truncated = len(ids) > seq_length
-            ids, mask = ids[:seq_length], mask[:seq_length]
-            if not any(mask):
-                raise BadRow(f"no trained (assistant) token within the first {seq_length} tokens")
-        except BadRow as exc:
-            if strict and not str(exc).endswith(f"--seq-length {seq_length}"):
-                raise DataError(f"{row_name(source, number)}: {exc}; fix the row or run without --strict") from None
-            report.skipped.append((number, str(exc)))
+        got = sample_from(record, number, reason, tokenizer, seq_length, options)
+        if isinstance(got, Skipped):
+            report.skipped.append((got.row, got.reason))
+            report.skipped_long += got.long
             continue
-        report.truncated += truncated
-        samples.append(Sample(number, ids, mask, truncated))
+        report.truncated += got.truncated
+        samples.append(got)
     if not samples:
-        reasons = "; ".join(f"row {n}: {why}" for n, why in report.skipped[:3])
-        raise DataError(f"no usable rows in {source} ({reasons or 'it is empty'}); see docs/data.md for the formats")
+        raise no_usable_rows(report, source)
     return samples, report
 
 

@@ -194,6 +194,33 @@ def read_rows(path: Path) -> Iterator[tuple[int, object]]:
     return _file_rows(path)
 
 
+def count_rows(path: Path) -> int:
+    """About how many rows `read_rows` yields, without parsing them (lines, for JSONL): for the disk estimate."""
+    path = Path(path)
+    if is_dataset_folder(path):
+        from datasets import load_from_disk
+
+        ds = load_from_disk(str(path))
+        return sum(len(split) for split in ds.values()) if hasattr(ds, "values") else len(ds)
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic == b"PAR1":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    try:
+        with _open(path, magic.startswith(b"\x1f\x8b")) as f:
+            if f.read(1 << 20).removeprefix(_BOM).lstrip()[:1] == b"[":
+                return sum(1 for _ in read_rows(path))  # a JSON list is parsed whole anyway
+            f.seek(0)
+            lines, last = 0, b"\n"
+            for block in iter(lambda: f.read(16 << 20), b""):
+                lines, last = lines + block.count(b"\n"), block[-1:]
+            return lines + (last != b"\n")
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise DataError(f"{path} is a damaged gzip file ({exc}); download or compress it again") from None
+
+
 def row_format(row: object, forced: str = "auto") -> str:
     if isinstance(row, BadRow):
         raise row

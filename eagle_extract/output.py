@@ -17,11 +17,11 @@ from pathlib import Path
 from . import lock, shards
 from .atomic import write_atomically, write_json
 from .config import LEGACY, ExtractConfig
-from .data import LoadReport, Sample
 from .errors import ExtractError
 from .layers import CONVENTION, legacy_layer_ids
-from .plan import Plan, make_plan, plan_samples
+from .plan import Plan, make_plan
 from .stages import PARTS_DIR
+from .store import STORE, TokenStore, store_name
 from .version import __version__
 from .writer import (
     HIDDEN_DIR,
@@ -93,15 +93,12 @@ def _record(path: Path) -> dict:
     return record
 
 
-def _sweep(output: Path, rows: set[int] | None) -> None:
-    """Delete the half-written files of `rows` (all rows when None) that a dead run left; other shards'
-    files in flight stay.  --pp stages' part files are always rewritten."""
+def _sweep(output: Path) -> None:
+    """Delete the half-written files a dead run left, and --pp stages' part files (always rewritten)."""
     stale_files = list((output / HIDDEN_DIR).glob(".*.tmp")) + list(output.glob(".data_*.pt.tmp"))
     stale_files += (output / PARTS_DIR).glob(f"*/{HIDDEN_DIR}/*")
     for stale in stale_files:
-        index = re.fullmatch(r"\.?(?:hs_|data_)(\d+)\.(?:safetensors|pt)(?:\.tmp)?", stale.name)
-        if rows is None or (index and int(index.group(1)) in rows):
-            stale.unlink(missing_ok=True)
+        stale.unlink(missing_ok=True)
 
 
 OURS = re.compile(  # every name eagle-extract writes in an output folder
@@ -228,17 +225,19 @@ def _clear(output: Path) -> None:
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
-def prepare_output(
-    output: Path, identity: dict, overwrite: bool, shard: tuple[int, int] | None = None, rows: set[int] | None = None
-) -> set[int]:
-    """Make `output` (claimed) ready; returns the rows (of `rows`, default all) an identical run already wrote."""
+def prepare_output(output: Path, identity: dict, overwrite: bool, shard: tuple[int, int] | None = None) -> set[int]:
+    """Make `output` (claimed) ready; returns the rows an identical run (or another shard) already wrote.
+    A token store that no run file vouches for (a run that failed before writing a row) is started over."""
     output.mkdir(parents=True, exist_ok=True)
     if overwrite:
         _clear(output)
     refuse_other_runs(output, identity, shard)
+    if not (output / run_file(shard)).exists():
+        shutil.rmtree(output / store_name(shard), ignore_errors=True)
     legacy = identity.get("format") == LEGACY
-    done = completed_rows(output, legacy) if rows is None else completed_rows(output, legacy) & rows
-    _sweep(output, rows)
+    done = completed_rows(output, legacy)
+    if shard is None:  # a shard leaves the others' files in flight alone: it writes its own again anyway
+        _sweep(output)
     write_json(output / run_file(shard), identity)
     return done
 
@@ -341,6 +340,7 @@ def abandon_if_empty(output: Path, shard: tuple[int, int] | None) -> None:
     answers = (output / REGENERATED).exists() or (output / JOURNAL).exists()
     if not completed_rows(output) and not legacy_rows and not answers:
         (output / run_file(shard)).unlink(missing_ok=True)
+        shutil.rmtree(output / store_name(shard), ignore_errors=True)  # tokenized again: the data may change
 
 
 def finish_run(output: Path, shard: tuple[int, int] | None) -> None:
@@ -361,10 +361,11 @@ def _versions() -> dict:
     }
 
 
-def complete(plan: Plan, samples: list[Sample], report: LoadReport, runs: list[dict], regenerated) -> dict:
-    """Write the dataset files and, last, the manifest: the output now looks complete."""
+def complete(plan: Plan, store: TokenStore, runs: list[dict], regenerated) -> dict:
+    """Write the dataset files (from the token store) and, last, the manifest: the output now looks complete."""
     cfg, shape, output = plan.cfg, plan.shape, Path(plan.cfg.output)
-    missing = sorted(set(range(len(samples))) - completed_rows(output, cfg.legacy))
+    counts = store.counts()
+    missing = sorted(set(range(counts["samples"])) - completed_rows(output, cfg.legacy))
     if missing:
         raise ExtractError(f"{len(missing)} rows have no hidden-state file (first: row {missing[0]}); rerun to finish")
     engines = {r["capture"].get("dtype") for r in runs if isinstance(r.get("capture"), dict)} - {None}
@@ -375,7 +376,7 @@ def complete(plan: Plan, samples: list[Sample], report: LoadReport, runs: list[d
         )
     dtype = engines.pop() if engines else plan.dtype  # the engine's: --dtype auto may not be config.json's
     try:
-        write_dataset(output, [s.input_ids for s in samples], [s.loss_mask for s in samples])
+        write_dataset(output, store.dataset(), store.token_freq())
     except OSError as exc:
         raise ExtractError(f"writing the dataset files in {output}: {exc.strerror or exc}; rerun to finish") from None
     extract_s = max(r["extract_s"] for r in runs)
@@ -392,15 +393,15 @@ def complete(plan: Plan, samples: list[Sample], report: LoadReport, runs: list[d
         "dtype": dtype,
         "storage_dtype": "float8_e4m3fn" if cfg.fp8 else dtype,
         "hidden_size": shape.hidden_size,
-        "num_samples": len(samples),
-        "num_tokens": sum(len(s.input_ids) for s in samples),
-        "num_loss_tokens": sum(sum(s.loss_mask) for s in samples),
+        "num_samples": counts["samples"],
+        "num_tokens": counts["tokens"],
+        "num_loss_tokens": counts["loss_tokens"],
         "seq_length": cfg.seq_length,
-        "truncated": report.truncated,
-        "skipped": len(report.skipped),
-        "skipped_long": report.skipped_long,
+        "truncated": counts["truncated"],
+        "skipped": counts["skipped"],
+        "skipped_long": counts["skipped_long"],
         "regenerated": regenerated,
-        "source_rows": [s.row for s in samples],
+        "source_row_ranges": store.source_row_ranges(),  # dataset row i is the i-th source row these cover
         "data": {"path": str(cfg.data), "sha256": plan.identity["data_sha256"], "format": cfg.data_format},
         "tensor_parallel_size": cfg.tp,
         "pipeline_parallel_size": cfg.pp,
@@ -414,29 +415,31 @@ def complete(plan: Plan, samples: list[Sample], report: LoadReport, runs: list[d
             "extract_s": extract_s,
             "tokens_per_s": round(sum(r["tokens"] for r in runs) / extract_s, 1) if extract_s else 0.0,
         },
-        "bytes_written": sum(hidden_state_path(output, i, cfg.legacy).stat().st_size for i in range(len(samples))),
+        "bytes_written": sum(hidden_state_path(output, i, cfg.legacy).stat().st_size for i in range(counts["samples"])),
         "versions": _versions(),
     }
     try:
-        _write_skip_report(output, report)
+        _write_skip_report(output, store)
         write_manifest(output, manifest)
     except OSError as exc:
         raise ExtractError(f"writing the manifest in {output}: {exc.strerror or exc}; rerun to finish") from None
     (output / shards.COMPLETING).unlink(missing_ok=True)
+    for folder in output.glob(f"{STORE}*"):  # the dataset files hold the tokens now
+        shutil.rmtree(folder, ignore_errors=True)
     return manifest
 
 
-def _write_skip_report(output: Path, report: LoadReport) -> None:
+def _write_skip_report(output: Path, store: TokenStore) -> None:
     def save(tmp: Path) -> None:
         with open(tmp, "w") as f:
-            for row, why in report.skipped:
+            for row, why in store.skipped():
                 f.write(json.dumps({"row": row, "reason": why}) + "\n")
 
-    if report.skipped:
+    if store.counts()["skipped"]:
         write_atomically(output / SKIPPED, save)
 
 
-def complete_shard(plan: Plan, samples, report, summary: dict, log) -> dict:
+def complete_shard(plan: Plan, store: TokenStore, summary: dict, log) -> dict:
     """Record a finished shard, and complete the dataset when every shard has finished and no other job
     is doing it; returns the manifest, or the shard's summary with "complete": False."""
     output, num = Path(plan.cfg.output), plan.shard[1]
@@ -447,7 +450,7 @@ def complete_shard(plan: Plan, samples, report, summary: dict, log) -> dict:
         waiting = sorted(set(range(num)) - set(runs))
         log(f"shard {plan.cfg.shard} done; waiting for shard(s) {', '.join(f'{k}/{num}' for k in waiting) or 'none'}")
         return {**summary, "complete": False, "waiting_for": waiting}
-    return complete(plan, samples, report, [runs[k] for k in range(num)], None)
+    return complete(plan, store, [runs[k] for k in range(num)], None)
 
 
 def merge(output: Path) -> dict:
@@ -473,10 +476,16 @@ def _merge(output: Path) -> dict:
             f"shard(s) {names} of {output} have not finished; run them (--shard {missing[0]}/{num}), then merge again"
         )
     plan = make_plan(ExtractConfig.from_options(**{**summary["config"], "output": output}))
-    samples, report = plan_samples(plan)
+    stores = [TokenStore(output / store_name((k, num))) for k in range(num)]
+    store = next((s for s in stores if s.ended), None)  # every shard's holds every row
+    if store is None:
+        raise ExtractError(
+            f"{output}: no shard left its token store whole, so the dataset files cannot be written; "
+            f"rerun one shard's command (--shard 0/{num}): it finds its rows written and completes the output"
+        )
     (output / shards.COMPLETING).unlink(missing_ok=True)  # an earlier completer that died left its lock
     shards.claim_completion(output)
-    return complete(plan, samples, report, [runs[k] for k in range(num)], None)
+    return complete(plan, store, [runs[k] for k in range(num)], None)
 
 
 def reopen(output: Path, rows: list[int]) -> ExtractConfig:

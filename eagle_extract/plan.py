@@ -1,7 +1,7 @@
 """What one run will do, decided before anything is created.
 
-The checked settings, the model's shape, the slots, the rows and their tokens, and the identity a
-resumed run must match.
+The checked settings, the model's shape, the slots, the tokenizer, and the identity a resumed run
+must match.  (The rows are read and tokenized as the run goes: `stream.py`.)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import preflight, shards
 from .config import ExtractConfig
-from .data import LoadReport, Sample, make_samples, read_records
+from .formats import read_rows
 from .layers import parse_layer_ids
 from .preflight import ModelShape
 
@@ -25,7 +25,6 @@ class Plan:
     shape: ModelShape
     aux_ids: list[int]
     tokenizer: object
-    triples: list  # (record or None, source row, reason) from read_records
     identity: dict
     shard: tuple[int, int] | None
 
@@ -56,8 +55,8 @@ def make_plan(cfg: ExtractConfig) -> Plan:
     preflight.check_weights(cfg)
     preflight.check_output_writable(cfg.output)
     tokenizer = preflight.load_tokenizer(cfg)
-    triples = list(read_records(cfg.data, cfg.data_format, cfg.strict, need_assistant=not cfg.regenerate))
-    return Plan(cfg, shape, aux_ids, tokenizer, triples, identity(cfg, shape, aux_ids, tokenizer), shard)
+    read_rows(cfg.data)  # a missing file, a folder that is no dataset, a format --data cannot read: before hashing it
+    return Plan(cfg, shape, aux_ids, tokenizer, identity(cfg, shape, aux_ids, tokenizer), shard)
 
 
 # Engine arguments a resumed run may change: memory, scheduling, the executor, logging.  Every other one
@@ -146,12 +145,3 @@ def sha256(path: Path) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()
-
-
-def plan_samples(plan: Plan, triples: list | None = None) -> tuple[list[Sample], LoadReport]:
-    """The rows as samples (tokens and loss masks), from the plan's records or from `triples`."""
-    cfg = plan.cfg
-    options = dict(long_samples=cfg.long_samples, strict=cfg.strict, source=str(cfg.data))
-    samples, report = make_samples(triples or plan.triples, plan.tokenizer, cfg.seq_length, cfg.max_samples, **options)
-    preflight.check_context(max(len(s.input_ids) for s in samples), plan.shape)
-    return samples, report

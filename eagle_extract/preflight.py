@@ -109,6 +109,8 @@ def check_options(cfg: ExtractConfig) -> None:
     for name in (*at_least_one, "max_num_batched_tokens", "max_new_tokens"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ExtractError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
+    if cfg.tokenize_processes is not None and cfg.tokenize_processes < 0:
+        raise ExtractError(f"--tokenize-processes {cfg.tokenize_processes}: must be at least 0 (0: in the driver)")
     if cfg.layers is not None and not cfg.layers.strip():
         raise ExtractError("--layers is empty; give comma-separated ids like 2,15,27, or leave it out for the defaults")
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:

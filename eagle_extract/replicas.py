@@ -20,6 +20,7 @@ from pathlib import Path
 from .config import ExtractConfig
 from .engine import cpu_thread_binding
 from .errors import ExtractError
+from .formats import read_rows
 from .hostmem import default_budget
 from .interrupts import stop_on_sigterm
 from .lock import REPLICA_ENV
@@ -35,10 +36,11 @@ from .output import (
     replace_complete,
     writing_folder,
 )
-from .plan import make_plan, plan_samples
+from .plan import make_plan
 from .run import run
 from .runlog import progress
 from .shards import SHARDS_DIR
+from .stream import expected_rows, first_chunks
 from .writer import MANIFEST, completed_rows, read_manifest
 
 
@@ -74,7 +76,7 @@ def run_replicas(cfg: ExtractConfig, log=print) -> dict:
     if cfg.shard or cfg.regenerate:
         raise ExtractError("--dp cannot be combined with --shard or --regenerate")
     plan = make_plan(cfg)  # every input check once, before any engine starts
-    samples, _ = plan_samples(plan)
+    expected = expected_rows(plan, first_chunks(plan, read_rows(cfg.data)))
     output = Path(cfg.output)
     slices = device_slices(dp, cfg.tp, cfg.pp)
     with claimed(output, None) as lock_fd:  # the replicas hold their shards' locks under this one
@@ -86,7 +88,7 @@ def run_replicas(cfg: ExtractConfig, log=print) -> dict:
         prepare_output(target, plan.identity, cfg.overwrite and target == output)  # clears the folder once when asked
         finish_run(target, None)
         forget_other_counts(target, dp)
-        _run_replicas(replace(cfg, output=target), slices, len(samples), log, lock_fd)
+        _run_replicas(replace(cfg, output=target), slices, expected, log, lock_fd)
         manifest = read_manifest(target) if (target / MANIFEST).exists() else merge(target)
         return replace_complete(target, output) if target != output else manifest
 

@@ -1,7 +1,8 @@
 """One extraction run, top to bottom, and its capture loop.
 
-Plan, prepare the output, start the engine, stream the rows through the capture loop, complete the
-output (or this shard of it).
+Plan, tokenize the first rows and estimate the disk, prepare the output, start tokenizing the rest into
+the token store, start the engine, feed it the store's rows as they come, complete the output (or
+this shard of it).
 """
 
 from __future__ import annotations
@@ -11,16 +12,19 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import output as out
-from . import preflight, regenerate, shards
+from . import preflight, regenerate, shards, stream
 from .config import ExtractConfig
+from .data import Sample, read_records
 from .engine import start_engine
 from .errors import ExtractError, engine_errors
+from .formats import BadRow, read_rows
 from .hostmem import default_budget
-from .plan import Plan, make_plan, plan_samples
+from .plan import Plan, make_plan
 from .runlog import RunLog, progress
 from .stages import PartJoiner, check_layout
+from .store import TokenStore, store_name
 from .watch import HEARTBEAT_S, EngineWatch
-from .writer import completed_rows
+from .writer import completed_rows, hidden_state_path
 
 
 def run(cfg: ExtractConfig, log=print) -> dict:
@@ -28,7 +32,12 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     when the output is complete, else this shard's summary (with "complete": False)."""
     plan = make_plan(cfg)
     output = Path(cfg.output)
-    rows = None if cfg.regenerate else _sized(plan, *plan_samples(plan))  # before anything is created
+    if cfg.regenerate:  # the answers come first: the conversations are tokenized after them
+        source = list(read_records(cfg.data, cfg.data_format, cfg.strict, need_assistant=False))
+        first = sized = None
+    else:  # before anything is created: the first rows' errors, and the disk estimate from them
+        source, first = None, stream.first_chunks(plan, read_rows(cfg.data))
+        sized = _sized(plan, first, set() if cfg.overwrite else completed_rows(output, cfg.legacy))
     with out.claimed(output, plan.shard):
         manifest = out.identical_complete(output, plan.identity, cfg.overwrite)
         if manifest:
@@ -43,7 +52,7 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         try:
             with RunLog(log_path, log) as run_log:
                 watch.note = run_log.note
-                result = _extract(replace(plan, cfg=staged), rows, run_log, watch)
+                result = _extract(replace(plan, cfg=staged), (source, first, sized), run_log, watch)
         except ExtractError as exc:  # the same error (a DataError stays a ValueError), pointing at the log
             exc.args = (f"{exc} (the run's log: {log_path})",)
             raise
@@ -52,74 +61,91 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         return out.replace_complete(target, output) if target != output else result
 
 
-def _sized(plan: Plan, samples: list, report) -> tuple:
-    """The rows, this job's share of them, and the disk check: rows a resumable run already wrote need no room."""
+def _sized(plan: Plan, first: list[list], done: set[int]) -> tuple[int, int, int, int]:
+    """(rows expected in the dataset, this job's tokens still to do, their bytes, bytes free), estimated from the
+    first chunks and the source's row count; refused when they cannot fit the disk."""
     cfg = plan.cfg
-    mine = {i for i, s in enumerate(samples) if shards.owns(plan.shard, s.row)}
-    already = set() if cfg.overwrite else completed_rows(Path(cfg.output), cfg.legacy)
-    todo_tokens = sum(len(samples[i].input_ids) for i in mine - already)
+    expected = stream.expected_rows(plan, first)
+    samples = [s for chunk in first for s in chunk if isinstance(s, Sample)]
+    share = 1 / plan.shard[1] if plan.shard else 1  # shards write at about one pace: done rows are theirs alike
+    todo_rows = max(0.0, (expected - len(done)) * share)
+    todo_tokens = round(todo_rows * sum(len(s.input_ids) for s in samples) / len(samples))
     expected_bytes, free = preflight.check_disk(cfg, todo_tokens, plan.bytes_per_token())
-    return samples, report, mine, todo_tokens, expected_bytes, free
+    return expected, todo_tokens, expected_bytes, free
 
 
-def _extract(plan: Plan, rows: tuple | None, run_log: RunLog, watch: EngineWatch) -> dict:
-    """The run itself, into `plan.cfg.output` (claimed); `rows` from _sized, None when --regenerate makes them."""
+def _extract(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch) -> dict:
+    """The run itself, into `plan.cfg.output` (claimed); `source` from run()."""
     try:
-        return _extract_rows(plan, rows, run_log, watch)
+        return _extract_rows(plan, source, run_log, watch)
     except BaseException:
         out.abandon_if_empty(Path(plan.cfg.output), plan.shard)
         raise
 
 
-def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog, watch: EngineWatch) -> dict:
+def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch) -> dict:
     cfg, output, log = plan.cfg, Path(plan.cfg.output), run_log.say
-    llm, start_s, regenerated = None, 0.0, None
+    (records, first, sized), rows = source, None
+    llm, start_s, regenerated, tokenizing = None, 0.0, None, None
     changed = None if cfg.overwrite else out.other_releases(output, plan.identity, plan.shard)
     if changed:
         log(f"warning: {changed}")
     try:
-        if rows is None:
+        if records is not None:
             out.prepare_output(output, plan.identity, cfg.overwrite)
             with engine_errors():
                 t0 = time.perf_counter()
                 watch.expect_engine()
                 llm = start_engine(cfg, cfg.seq_length + 1)
                 start_s = _watched(llm, watch, t0)
-                usable = [r for r, _, _ in plan.triples if r is not None][: cfg.max_samples]
-                records, regenerated = regenerate.answers(llm, cfg, plan.tokenizer, usable, log, watch.beat)
+                usable = [r for r, _, _ in records if r is not None][: cfg.max_samples]
+                answered, regenerated = regenerate.answers(llm, cfg, plan.tokenizer, usable, log, watch.beat)
             watch.pause()  # tokenizing the answers is the driver's own work
-            bad = [(None, n, why) for r, n, why in plan.triples if r is None]
-            triples = sorted([(r, r.row, None) for r in records] + bad, key=lambda t: t[1])
-            rows = _sized(plan, *plan_samples(plan, triples))
-        samples, report, mine, todo_tokens, expected_bytes, free = rows
+            bad = [(n, BadRow(why)) for r, n, why in records if r is None]
+            rows = sorted([(r.row, r) for r in answered] + bad, key=lambda t: t[0])
+            first = stream.first_chunks(plan, rows)
+            sized = _sized(plan, first, completed_rows(output, cfg.legacy))
+        expected, todo_tokens, expected_bytes, free = sized
         fresh = cfg.overwrite and not cfg.regenerate  # a regenerating run prepared (and cleared) the folder already
-        done = out.prepare_output(output, plan.identity, fresh, plan.shard, mine)
+        done = out.prepare_output(output, plan.identity, fresh, plan.shard)
+        store = TokenStore(output / store_name(plan.shard))
+        processes = cfg.tokenize_processes
+        if processes is None:
+            processes = stream.default_processes(0 if rows is not None else source_bytes(Path(cfg.data)))
+        tokenizing = stream.Tokenizing(store, rows if rows is not None else read_rows(cfg.data), plan, processes, first)
+        tokenizing.start()
         if done:
             log(f"checking the {len(done)} row files an interrupted run wrote")
-        damaged = out.drop_damaged(
-            output, {i: len(samples[i].input_ids) for i in done}, plan.slot_ids, plan.shape.hidden_size, cfg.legacy
-        )
+        kept, damaged = _check_kept(plan, store, done)
         done -= damaged
-        todo = [(i, samples[i]) for i in sorted(mine - done)]
-        part = f" (shard {cfg.shard}: {len(mine)} of them)" if plan.shard else ""
-        resumed = f"; resuming, {len(done)} rows already written" if done else ""
+        mine = -(-expected // plan.shard[1]) if plan.shard else expected
+        part = f" (shard {cfg.shard}: about {mine} of them)" if plan.shard else ""
+        resumed = f"; resuming, {kept} rows already written" if done else ""
         resumed += f" ({len(damaged)} damaged files are written again)" if damaged else ""
         log(
-            f"{len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens{part}; slots for layers "
-            f"{plan.slot_ids}; about {expected_bytes / 2**20:.1f} MiB of hidden states to write "
+            f"about {expected} samples{part}, tokenized as the engine runs ({processes or 'no'} worker processes); "
+            f"slots for layers {plan.slot_ids}; about {expected_bytes / 2**20:.1f} MiB of hidden states to write "
             f"({free / 2**30:.1f} GiB free){resumed}"
         )
+        if cfg.strict:  # every row is checked before the engine starts
+            _wait_for_stream(store, log)
         with engine_errors():
             if llm is None:
                 t0 = time.perf_counter()
                 watch.expect_engine()
-                llm = start_engine(cfg, max(len(s.input_ids) for s in samples) + 1)  # room for the sampled token
+                context = plan.shape.context or cfg.seq_length + 1
+                llm = start_engine(cfg, min(cfg.seq_length + 1, context))  # room for the sampled token
                 start_s = _watched(llm, watch, t0)
-            written, stats, extract_s = _capture(llm, plan, len(samples), todo, done, run_log.note, watch.beat)
+            tally = {"kept": kept}
+            batches = _todo(plan, store, done, watch, tally)
+            written, stats, extract_s, handed, tokens = _capture(llm, plan, batches, mine, kept, run_log.note, watch)
+            kept = tally["kept"]
     finally:
+        if tokenizing is not None:
+            tokenizing.stop()
         watch.stop.set()  # before the engine goes: its processes end now
         llm = None  # the engine stops now, into the run's log (frames vLLM's imports keep alive would hold it)
-    missing = sorted(mine - written)
+    missing = sorted(handed - written)
     if missing:
         raise ExtractError(
             f"{len(missing)} rows were never captured (first: row {missing[0]}); rerun, and report this as a bug"
@@ -127,18 +153,91 @@ def _extract_rows(plan: Plan, rows: tuple | None, run_log: RunLog, watch: Engine
     this_run = {
         "engine_start_s": round(start_s, 2),
         "extract_s": round(extract_s, 2),
-        "tokens": todo_tokens,
-        "rows": len(mine),
-        "resumed_rows": len(done),
+        "tokens": tokens,
+        "rows": len(handed) + kept,
+        "resumed_rows": kept,
         "redone_rows": len(damaged),
         "capture": stats,
     }
     if plan.shard is None:
-        manifest = out.complete(plan, samples, report, [this_run], regenerated)
+        manifest = out.complete(plan, store, [this_run], regenerated)
         out.finish_run(output, None)
         return manifest
     summary = {"shard": cfg.shard, "identity": plan.identity, "config": cfg.record(), **this_run}
-    return out.complete_shard(plan, samples, report, summary, log)
+    return out.complete_shard(plan, store, summary, log)
+
+
+def source_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def _wait_for_stream(store: TokenStore, log) -> None:
+    """--strict: the whole source is tokenized (and checked) before the engine starts."""
+    log("--strict: checking every row before the engine starts")
+    with progress(None, "tokenize", "row") as bar:
+        while store.wait(len(store.chunks), timeout=1.0) is not None or not store.ended:
+            bar.update(store.read - bar.n)
+        bar.update(store.read - bar.n)
+
+
+def _check_kept(plan: Plan, store: TokenStore, done: set[int]) -> tuple[int, set[int]]:
+    """(this job's kept rows, those of them whose file is damaged, deleted to be written again) among the
+    rows the store holds; a kept row the store does not hold yet (an earlier release's run) is checked
+    when the stream reaches it."""
+    kept, damaged = 0, set()
+    for chunk in list(store.chunks):
+        if not any(chunk.first <= i < chunk.first + chunk.usable for i in done):
+            continue
+        lengths = store.seq_lens(chunk)
+        for (index, row, _, _), n in zip(store.rows(chunk), lengths):
+            if index in done and shards.owns(plan.shard, row):
+                kept += 1
+                if _damaged(plan, index, n):
+                    damaged.add(index)
+    return kept, damaged
+
+
+def _damaged(plan: Plan, index: int, tokens: int) -> bool:
+    """Whether row `index`'s kept file is not whole (a power cut can leave a final name on a torn or empty
+    file); deleted, to be written again."""
+    path = hidden_state_path(Path(plan.cfg.output), index, plan.cfg.legacy)
+    if out.kept_file_problem(path, tokens, len(plan.slot_ids), plan.shape.hidden_size, plan.cfg.legacy):
+        path.unlink(missing_ok=True)
+        return True
+    return False
+
+
+def _todo(plan: Plan, store: TokenStore, done: set[int], watch: EngineWatch, tally: dict):
+    """This job's rows still to write, in batches of --batch-size, read from the store as the stream fills it.
+    A batch goes as soon as the store has nothing more for now; waiting for the stream stops the stall clock.
+    `tally["kept"]` counts the kept rows checked on the way."""
+    batch, number, checked = [], 0, store.usable
+    while True:
+        chunk = store.wait(number, timeout=0)
+        if chunk is None and not store.ended:
+            if batch:
+                yield batch
+                batch = []
+            watch.pause()
+            chunk = store.wait(number)
+            watch.beat()
+        if chunk is None:
+            break
+        for index, row, ids, mask in store.rows(chunk):
+            if not shards.owns(plan.shard, row):
+                continue
+            if index in done and index >= checked and not _damaged(plan, index, len(ids)):
+                tally["kept"] += 1
+                continue
+            if index in done and index < checked:
+                continue
+            batch.append((index, ids, mask))
+            if len(batch) == plan.cfg.batch_size:
+                yield batch
+                batch = []
+        number += 1
+    if batch:
+        yield batch
 
 
 def _watched(llm, watch: EngineWatch, t0: float) -> float:
@@ -148,11 +247,6 @@ def _watched(llm, watch: EngineWatch, t0: float) -> float:
     llm.collective_rpc("eagle_heartbeat", args=(str(watch.heartbeat), every))
     watch.start()
     return time.perf_counter() - t0
-
-
-def _batches(items: list, size: int):
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
 
 
 def _drain(llm, wait: bool) -> dict:
@@ -196,9 +290,10 @@ def _check_matching(history: list[tuple[int, int]], first: int | None) -> None:
         )
 
 
-def _capture(llm, plan: Plan, total: int, todo: list, done: set[int], note, beat) -> tuple[set[int], dict, float]:
-    """Stream the rows still to do through the engine; returns (rows written, capture stats, seconds).
-    `note` puts each batch's counts in the run's log; `beat` tells the engine watch the run moves."""
+def _capture(llm, plan: Plan, batches, total: int, kept: int, note, watch: EngineWatch) -> tuple:
+    """Stream the rows still to do through the engine; returns (rows written, capture stats, seconds, rows
+    handed to the engine, their tokens).  `note` puts each batch's counts in the run's log; `total` is
+    this job's estimated row count, for the progress display."""
     from vllm import SamplingParams, TokensPrompt
 
     cfg = plan.cfg
@@ -211,16 +306,8 @@ def _capture(llm, plan: Plan, total: int, todo: list, done: set[int], note, beat
         check_layout(writers, plan.shape.num_layers, len(plan.slot_ids))
     except ValueError as exc:
         raise ExtractError(f"{exc}; report this as a bug with the model class {installed[0]['model_class']}") from None
-    kept = out.kept_dtype(Path(cfg.output), min(done)) if done and not (cfg.fp8 or cfg.legacy) else None
-    if kept and kept != writers[0]["dtype"]:
-        raise ExtractError(
-            f"the engine runs in {writers[0]['dtype']}, but the {len(done)} rows already written are {kept}; "
-            f"resume where the engine runs in {kept} (--dtype auto can choose otherwise on another GPU or vLLM), "
-            "or pass --overwrite to start over"
-        )
-    joiner = None
+    joiner, masks = None, {} if cfg.legacy else None
     if any(w["part"] for w in writers):  # pipeline stages: join their part files into rows
-        masks = {i: s.loss_mask for i, s in todo} if cfg.legacy else None
         joiner = PartJoiner(Path(cfg.output), writers, cfg.fp8, masks)
 
     def record(report: dict, last: bool = False) -> None:
@@ -234,30 +321,44 @@ def _capture(llm, plan: Plan, total: int, todo: list, done: set[int], note, beat
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise ExtractError(f"joining the pipeline stages' files: {why}") from None
 
+    def check_dtype(index: int) -> None:
+        kept_as = out.kept_dtype(Path(cfg.output), index) if not (cfg.fp8 or cfg.legacy) else None
+        if kept_as and kept_as != writers[0]["dtype"]:
+            raise ExtractError(
+                f"the engine runs in {writers[0]['dtype']}, but the {kept} rows already written are {kept_as}; "
+                f"resume where the engine runs in {kept_as} (--dtype auto can choose otherwise on another GPU or "
+                "vLLM), or pass --overwrite to start over"
+            )
+
+    if kept:
+        check_dtype(min(completed_rows(Path(cfg.output), cfg.legacy)))
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    written = set(done)
-    beat()
+    written, handed = set(), set()
+    watch.beat()
     history = [(0, 0)]  # (settled, unmatched) rows after each batch
     t1 = time.perf_counter()
-    with progress(total, "extract", "row", initial=len(done)) as bar:
-        done_tokens, handed = 0, len(done)
-        for batch in _batches(todo, cfg.batch_size):
-            masks = [(i, s.loss_mask) for i, s in batch] if cfg.legacy else None
-            llm.collective_rpc("eagle_expect", args=([(i, s.input_ids) for i, s in batch], masks))
-            llm.generate([TokensPrompt(prompt_token_ids=s.input_ids) for _, s in batch], params, use_tqdm=False)
+    with progress(total, "extract", "row", initial=kept) as bar:
+        done_tokens = 0
+        for batch in batches:
+            if masks is not None:
+                masks.update((i, mask) for i, _, mask in batch)
+            batch_masks = [(i, mask) for i, _, mask in batch] if cfg.legacy else None
+            llm.collective_rpc("eagle_expect", args=([(i, ids) for i, ids, _ in batch], batch_masks))
+            llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _ in batch], params, use_tqdm=False)
             got = _drain(llm, wait=False)
             record(got)
-            beat()
-            handed += len(batch)
-            done_tokens += sum(len(s.input_ids) for _, s in batch)
+            watch.beat()
+            handed.update(i for i, _, _ in batch)
+            done_tokens += sum(len(ids) for _, ids, _ in batch)
             rate = f"{done_tokens / (time.perf_counter() - t1):,.0f}"
             settled, lost, lost_tokens, dropped = got["matching"]
-            bar.update(len(written) - bar.n)  # rows on the disk, not rows handed to the engine
+            bar.total = max(bar.total or 0, kept + len(handed))
+            bar.update(kept + len(written) - bar.n)  # rows on the disk, not rows handed to the engine
             bar.set_postfix(tok_s=rate, **({"unmatched": lost} if lost else {}))
-            pending = handed - len(written)
             note(
-                f"{len(written)}/{total} rows written ({handed} handed to the engine, {pending} pending); "
-                f"unmatched: {lost} rows, {lost_tokens} tokens; {dropped} dropped steps; {rate} tok/s"
+                f"{kept + len(written)}/about {bar.total} rows written ({len(handed)} handed to the engine this run, "
+                f"{len(handed) - len(written)} pending); unmatched: {lost} rows, {lost_tokens} tokens; "
+                f"{dropped} dropped steps; {rate} tok/s"
             )
             history.append((settled, lost))
             _check_matching(history, got["first_unmatched"])
@@ -265,7 +366,8 @@ def _capture(llm, plan: Plan, total: int, todo: list, done: set[int], note, beat
         record(got, last=True)
         history.append(tuple(got["matching"][:2]))
         _check_matching(history, got["first_unmatched"])
-        bar.update(len(written) - bar.n)
+        bar.total = kept + len(handed)  # known now that the stream ended
+        bar.update(kept + len(written) - bar.n)
     extract_s = time.perf_counter() - t1
     llm.collective_rpc("eagle_remove")
     where = {
@@ -275,4 +377,4 @@ def _capture(llm, plan: Plan, total: int, todo: list, done: set[int], note, beat
         "workers": len(installed),
         "stages": [[w["start"], w["end"]] for w in writers],
     }
-    return written, {**got["stats"], **where}, extract_s
+    return written, {**got["stats"], **where}, extract_s, handed, done_tokens

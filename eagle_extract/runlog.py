@@ -110,7 +110,7 @@ def _fileno(stream) -> int | None:
 class _Lines:
     """tqdm's bar on a terminal; elsewhere (a scheduler's log) a plain line every `every` seconds and at the end."""
 
-    def __init__(self, total: int, initial: int, desc: str, unit: str, every: float, file) -> None:
+    def __init__(self, total: int | None, initial: int, desc: str, unit: str, every: float, file) -> None:
         self.total, self.n, self.desc, self.unit, self.every, self.file = total, initial, desc, unit, every, file
         self._postfix, self._last = "", time.monotonic()
 
@@ -124,7 +124,8 @@ class _Lines:
 
     def _print(self) -> None:
         self._last = time.monotonic()
-        print(f"{_stamp()} {self.desc}: {self.n:,}/{self.total:,} {self.unit}s{self._postfix}", file=self.file)
+        total = f"/{self.total:,}" if self.total is not None else ""
+        print(f"{_stamp()} {self.desc}: {self.n:,}{total} {self.unit}s{self._postfix}", file=self.file)
 
     def __enter__(self):
         return self
@@ -144,8 +145,8 @@ def counting(total: int, desc: str, unit: str, show: bool = True):
             bar.update(1)
 
 
-def progress(total: int, desc: str, unit: str, initial: int = 0, every: float = 30.0):
-    """A progress display for `total` units on the terminal: tqdm's bar, or plain periodic lines where
+def progress(total: int | None, desc: str, unit: str, initial: int = 0, every: float = 30.0):
+    """A progress display for `total` units (None: not known) on the terminal: tqdm's bar, or plain periodic lines where
     stderr is not a terminal (a batch scheduler's log)."""
     file = terminal()
     if file.isatty():

@@ -256,32 +256,20 @@ def token_frequencies(input_ids: list[list[int]], loss_masks: list[list[int]]) -
     return dict(counts)
 
 
-def write_dataset(output: Path, input_ids: list[list[int]], loss_masks: list[list[int]]) -> None:
-    """Write the Arrow rows and token_freq.pt that speculators' trainer reads beside hidden_states/."""
-    import datasets
-
+def write_dataset(output: Path, rows, freq: dict[int, int]) -> None:
+    """Write the Arrow rows (a `datasets.Dataset` of input_ids, loss_mask and seq_len, mapped from the token
+    store, so it is copied batch by batch) and token_freq.pt, which speculators' trainer reads beside
+    hidden_states/."""
     output = Path(output)
-    features = datasets.Features(
-        {
-            "input_ids": datasets.Sequence(datasets.Value("int64")),
-            "loss_mask": datasets.Sequence(datasets.Value("int64")),
-            "seq_len": datasets.Value("int64"),
-        }
-    )
-    table = datasets.Dataset.from_dict(
-        {"input_ids": input_ids, "loss_mask": loss_masks, "seq_len": [len(x) for x in input_ids]},
-        features=features,
-    )
-    table.set_format(type="torch")
+    rows.set_format(type="torch")
     staging = Path(tempfile.mkdtemp(prefix=".dataset-", dir=output))
     try:
-        table.save_to_disk(str(staging))
+        rows.save_to_disk(str(staging))
         for item in staging.iterdir():
             fsync(item)  # on the disk before the manifest says the output is complete
             os.replace(item, output / item.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    freq = token_frequencies(input_ids, loss_masks)
     write_atomically(output / "token_freq.pt", lambda tmp: torch.save(freq, tmp), durable=True)
 
 
