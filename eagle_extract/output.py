@@ -424,7 +424,7 @@ def complete(plan: Plan, store: TokenStore, runs: list[dict], regenerated) -> di
     except OSError as exc:
         raise ExtractError(f"writing the manifest in {output}: {exc.strerror or exc}; rerun to finish") from None
     (output / shards.COMPLETING).unlink(missing_ok=True)
-    for folder in output.glob(f"{STORE}*"):  # the dataset files hold the tokens now
+    for folder in [*output.glob(f"{STORE}*"), output / PARTS_DIR]:  # the dataset files hold the tokens now
         shutil.rmtree(folder, ignore_errors=True)
     return manifest
 

@@ -173,18 +173,21 @@ def test_a_full_disk_while_joining_is_one_line_and_leaves_no_partial_row(tmp_pat
     assert sorted(p.name for p in (small_disk / "hidden_states").iterdir()) == [f"hs_{i}.safetensors" for i in range(3)]
 
 
-def test_a_resumed_run_sweeps_its_rows_parts_and_keeps_other_shards(tmp_path):
+def test_a_resumed_run_sweeps_the_parts_a_shard_leaves_the_others(tmp_path):
     """Parts left by a run that died between a row's final write and the parts' deletion, or mid-join,
-    are removed when the same run resumes; a shard leaves the other shards' parts alone."""
+    are removed when the same (unsharded) run resumes; a shard leaves them alone, as other shards' joins
+    may be in flight (its own are written again, and completion removes what is left)."""
     from eagle_extract.output import prepare_output
 
     out = tmp_path / "out"
     identity = {"model": "m", "aux_layer_ids": [2]}
-    prepare_output(out, identity, overwrite=False, shard=(0, 2), rows={0, 2})
+    prepare_output(out, identity, overwrite=False, shard=(0, 2))
     part = part_root(out, 0, 4) / "hidden_states"
     part.mkdir(parents=True)
     names = ["hs_0.safetensors", ".hs_2.safetensors.tmp", "hs_1.safetensors", ".hs_3.safetensors.tmp"]
     for name in names:
         (part / name).write_bytes(b"x")
-    prepare_output(out, identity, overwrite=False, shard=(0, 2), rows={0, 2})  # shard 0 resumes
-    assert sorted(p.name for p in part.iterdir()) == [".hs_3.safetensors.tmp", "hs_1.safetensors"]
+    prepare_output(out, identity, overwrite=False, shard=(0, 2))  # shard 0 resumes
+    assert sorted(p.name for p in part.iterdir()) == sorted(names)
+    prepare_output(out, identity, overwrite=False)  # an unsharded run resumes
+    assert list(part.iterdir()) == []
