@@ -409,6 +409,8 @@ def complete(plan: Plan, store: TokenStore, runs: list[dict], regenerated) -> di
         "shards": len(runs) if plan.shard else None,
         "resumed_rows": sum(r["resumed_rows"] for r in runs),
         "redone_rows": sum(r.get("redone_rows", 0) for r in runs),  # kept files found damaged on resume
+        "tokenized_rows": sum(r.get("tokenized_rows", 0) for r in runs),  # by the last run of each job
+        "waited_for_tokens_s": max(r.get("waited_for_tokens_s", 0.0) for r in runs),
         "capture": runs[0]["capture"] if len(runs) == 1 else [r["capture"] for r in runs],
         "timing": {
             "engine_start_s": max(r["engine_start_s"] for r in runs),

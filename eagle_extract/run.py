@@ -36,8 +36,10 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         source = list(read_records(cfg.data, cfg.data_format, cfg.strict, need_assistant=False))
         first = sized = None
     else:  # before anything is created: the first rows' errors, and the disk estimate from them
-        source, first = None, stream.first_chunks(plan, read_rows(cfg.data))
-        sized = _sized(plan, first, set() if cfg.overwrite else completed_rows(output, cfg.legacy))
+        kept = None if cfg.overwrite else TokenStore(output / store_name(plan.shard), change=False)
+        resuming = kept is not None and bool(kept.chunks)  # what the interrupted run tokenized is not done again
+        source, first = None, [] if resuming else stream.first_chunks(plan, read_rows(cfg.data))
+        sized = _sized(plan, first, set() if cfg.overwrite else completed_rows(output, cfg.legacy), kept)
     with out.claimed(output, plan.shard):
         manifest = out.identical_complete(output, plan.identity, cfg.overwrite)
         if manifest:
@@ -61,15 +63,22 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         return out.replace_complete(target, output) if target != output else result
 
 
-def _sized(plan: Plan, first: list[list], done: set[int]) -> tuple[int, int, int, int]:
+def _sized(plan: Plan, first: list[list], done: set[int], kept: TokenStore | None) -> tuple[int, int, int, int]:
     """(rows expected in the dataset, this job's tokens still to do, their bytes, bytes free), estimated from the
-    first chunks and the source's row count; refused when they cannot fit the disk."""
+    first chunks (or the rows a kept store holds) and the source's row count; refused when they cannot fit the
+    disk."""
     cfg = plan.cfg
-    expected = stream.expected_rows(plan, first)
-    samples = [s for chunk in first for s in chunk if isinstance(s, Sample)]
+    got = [s for chunk in first for s in chunk]
+    samples = [s for s in got if isinstance(s, Sample)]
+    if first:
+        read, usable, tokens = len(got), len(samples), sum(len(s.input_ids) for s in samples)
+        ended = len(got) < stream.CHUNK_ROWS * len(first)
+    else:
+        read, usable, tokens, ended = kept.read, kept.usable, kept.tokens, kept.ended
+    expected = stream.expected_rows(cfg, read, usable, ended)
     share = 1 / plan.shard[1] if plan.shard else 1  # shards write at about one pace: done rows are theirs alike
     todo_rows = max(0.0, (expected - len(done)) * share)
-    todo_tokens = round(todo_rows * sum(len(s.input_ids) for s in samples) / len(samples))
+    todo_tokens = round(todo_rows * tokens / max(usable, 1))
     expected_bytes, free = preflight.check_disk(cfg, todo_tokens, plan.bytes_per_token())
     return expected, todo_tokens, expected_bytes, free
 
@@ -104,7 +113,7 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
             bad = [(n, BadRow(why)) for r, n, why in records if r is None]
             rows = sorted([(r.row, r) for r in answered] + bad, key=lambda t: t[0])
             first = stream.first_chunks(plan, rows)
-            sized = _sized(plan, first, completed_rows(output, cfg.legacy))
+            sized = _sized(plan, first, completed_rows(output, cfg.legacy), None)
         expected, todo_tokens, expected_bytes, free = sized
         fresh = cfg.overwrite and not cfg.regenerate  # a regenerating run prepared (and cleared) the folder already
         done = out.prepare_output(output, plan.identity, fresh, plan.shard)
@@ -116,7 +125,7 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
         tokenizing.start()
         if done:
             log(f"checking the {len(done)} row files an interrupted run wrote")
-        kept, damaged = _check_kept(plan, store, done)
+        kept, damaged, checked = _check_kept(plan, store, done)
         done -= damaged
         mine = -(-expected // plan.shard[1]) if plan.shard else expected
         part = f" (shard {cfg.shard}: about {mine} of them)" if plan.shard else ""
@@ -136,9 +145,9 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
                 context = plan.shape.context or cfg.seq_length + 1
                 llm = start_engine(cfg, min(cfg.seq_length + 1, context))  # room for the sampled token
                 start_s = _watched(llm, watch, t0)
-            tally = {"kept": kept}
-            batches = _todo(plan, store, done, watch, tally)
-            written, stats, extract_s, handed, tokens = _capture(llm, plan, batches, mine, kept, run_log.note, watch)
+            tally = {"kept": kept, "waited_s": 0.0}
+            batches = _todo(plan, store, done, checked, watch, tally)
+            written, stats, extract_s, handed, tokens = _capture(llm, plan, batches, mine, tally, run_log.note, watch)
             kept = tally["kept"]
     finally:
         if tokenizing is not None:
@@ -157,6 +166,8 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
         "rows": len(handed) + kept,
         "resumed_rows": kept,
         "redone_rows": len(damaged),
+        "tokenized_rows": store.read - tokenizing.kept,  # source rows this run tokenized
+        "waited_for_tokens_s": round(tally["waited_s"], 2),  # the engine idle, waiting for the stream
         "capture": stats,
     }
     if plan.shard is None:
@@ -180,21 +191,22 @@ def _wait_for_stream(store: TokenStore, log) -> None:
         bar.update(store.read - bar.n)
 
 
-def _check_kept(plan: Plan, store: TokenStore, done: set[int]) -> tuple[int, set[int]]:
-    """(this job's kept rows, those of them whose file is damaged, deleted to be written again) among the
-    rows the store holds; a kept row the store does not hold yet (an earlier release's run) is checked
-    when the stream reaches it."""
-    kept, damaged = 0, set()
-    for chunk in list(store.chunks):
-        if not any(chunk.first <= i < chunk.first + chunk.usable for i in done):
+def _check_kept(plan: Plan, store: TokenStore, done: set[int]) -> tuple[int, set[int], int]:
+    """(this job's kept rows, those of them whose file is damaged, deleted to be written again, and the
+    dataset index up to which they were checked) among the rows the store holds now; a kept row past it
+    (the store was deleted at completion, before a repair) is checked when the stream reaches it."""
+    kept, damaged, chunks = 0, set(), list(store.chunks)
+    for chunk in chunks:
+        indices = range(chunk.first, chunk.first + chunk.usable)
+        if done.isdisjoint(indices):
             continue
-        lengths = store.seq_lens(chunk)
-        for (index, row, _, _), n in zip(store.rows(chunk), lengths):
+        for index, row, n in zip(indices, store.meta(chunk.number)["rows"], store.seq_lens(chunk)):
             if index in done and shards.owns(plan.shard, row):
-                kept += 1
                 if _damaged(plan, index, n):
                     damaged.add(index)
-    return kept, damaged
+                else:
+                    kept += 1
+    return kept, damaged, chunks[-1].first + chunks[-1].usable if chunks else 0
 
 
 def _damaged(plan: Plan, index: int, tokens: int) -> bool:
@@ -207,11 +219,11 @@ def _damaged(plan: Plan, index: int, tokens: int) -> bool:
     return False
 
 
-def _todo(plan: Plan, store: TokenStore, done: set[int], watch: EngineWatch, tally: dict):
+def _todo(plan: Plan, store: TokenStore, done: set[int], checked: int, watch: EngineWatch, tally: dict):
     """This job's rows still to write, in batches of --batch-size, read from the store as the stream fills it.
     A batch goes as soon as the store has nothing more for now; waiting for the stream stops the stall clock.
-    `tally["kept"]` counts the kept rows checked on the way."""
-    batch, number, checked = [], 0, store.usable
+    `tally` counts the kept rows checked on the way ("kept") and the seconds spent waiting ("waited_s")."""
+    batch, number = [], 0
     while True:
         chunk = store.wait(number, timeout=0)
         if chunk is None and not store.ended:
@@ -219,10 +231,15 @@ def _todo(plan: Plan, store: TokenStore, done: set[int], watch: EngineWatch, tal
                 yield batch
                 batch = []
             watch.pause()
+            t0 = time.perf_counter()
             chunk = store.wait(number)
+            tally["waited_s"] += time.perf_counter() - t0
             watch.beat()
         if chunk is None:
             break
+        number += 1
+        if chunk.first + chunk.usable <= checked and done.issuperset(range(chunk.first, chunk.first + chunk.usable)):
+            continue  # written before, and checked: not read again
         for index, row, ids, mask in store.rows(chunk):
             if not shards.owns(plan.shard, row):
                 continue
@@ -235,7 +252,6 @@ def _todo(plan: Plan, store: TokenStore, done: set[int], watch: EngineWatch, tal
             if len(batch) == plan.cfg.batch_size:
                 yield batch
                 batch = []
-        number += 1
     if batch:
         yield batch
 
@@ -290,10 +306,11 @@ def _check_matching(history: list[tuple[int, int]], first: int | None) -> None:
         )
 
 
-def _capture(llm, plan: Plan, batches, total: int, kept: int, note, watch: EngineWatch) -> tuple:
+def _capture(llm, plan: Plan, batches, total: int, tally: dict, note, watch: EngineWatch) -> tuple:
     """Stream the rows still to do through the engine; returns (rows written, capture stats, seconds, rows
     handed to the engine, their tokens).  `note` puts each batch's counts in the run's log; `total` is
-    this job's estimated row count, for the progress display."""
+    this job's estimated row count, for the progress display; `tally` is _todo's."""
+    kept = tally["kept"]
     from vllm import SamplingParams, TokensPrompt
 
     cfg = plan.cfg
@@ -352,13 +369,14 @@ def _capture(llm, plan: Plan, batches, total: int, kept: int, note, watch: Engin
             done_tokens += sum(len(ids) for _, ids, _ in batch)
             rate = f"{done_tokens / (time.perf_counter() - t1):,.0f}"
             settled, lost, lost_tokens, dropped = got["matching"]
-            bar.total = max(bar.total or 0, kept + len(handed))
-            bar.update(kept + len(written) - bar.n)  # rows on the disk, not rows handed to the engine
+            on_disk = tally["kept"] + len(written)  # rows on the disk, not rows handed to the engine
+            bar.total = max(bar.total or 0, tally["kept"] + len(handed))
+            bar.update(on_disk - bar.n)
             bar.set_postfix(tok_s=rate, **({"unmatched": lost} if lost else {}))
             note(
-                f"{kept + len(written)}/about {bar.total} rows written ({len(handed)} handed to the engine this run, "
+                f"{on_disk}/about {bar.total} rows written ({len(handed)} handed to the engine this run, "
                 f"{len(handed) - len(written)} pending); unmatched: {lost} rows, {lost_tokens} tokens; "
-                f"{dropped} dropped steps; {rate} tok/s"
+                f"{dropped} dropped steps; {rate} tok/s; {tally['waited_s']:.1f} s waiting for the tokenizer"
             )
             history.append((settled, lost))
             _check_matching(history, got["first_unmatched"])
@@ -366,8 +384,8 @@ def _capture(llm, plan: Plan, batches, total: int, kept: int, note, watch: Engin
         record(got, last=True)
         history.append(tuple(got["matching"][:2]))
         _check_matching(history, got["first_unmatched"])
-        bar.total = kept + len(handed)  # known now that the stream ended
-        bar.update(kept + len(written) - bar.n)
+        bar.total = tally["kept"] + len(handed)  # known now that the stream ended
+        bar.update(tally["kept"] + len(written) - bar.n)
     extract_s = time.perf_counter() - t1
     llm.collective_rpc("eagle_remove")
     where = {

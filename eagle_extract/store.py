@@ -51,20 +51,23 @@ class Chunk:
 class TokenStore:
     """The chunks on the disk, appended by one thread and read by another."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, change: bool = True) -> None:
+        """The chunks a run kept in `folder`; unless told not to `change` it, what a killed run left half
+        written goes (a temporary file, an Arrow file without its marker)."""
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        for stale in self.folder.glob(".*.tmp"):
-            stale.unlink()
         self.chunks: list[Chunk] = []
         for marker in sorted(self.folder.glob("chunk_*.json")):
             if int(marker.stem[6:]) != len(self.chunks) or not marker.with_suffix(".arrow").is_file():
                 break  # a chunk is only ever written after the one before it
             meta = json.loads(marker.read_text())
             self.chunks.append(self._chunk(len(self.chunks), meta))
-        for extra in self.folder.glob("chunk_*"):  # past the first gap: written out of order, never by us
-            if int(extra.name[6:14]) >= len(self.chunks):
-                extra.unlink()
+        if change:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            for stale in self.folder.glob(".*.tmp"):
+                stale.unlink()
+            for extra in self.folder.glob("chunk_*"):  # past the last whole chunk
+                if int(extra.name[6:14]) >= len(self.chunks):
+                    extra.unlink()
         self.error: BaseException | None = None
         self._changed = threading.Condition()
 

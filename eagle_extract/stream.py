@@ -80,14 +80,11 @@ def first_chunks(plan, rows) -> list[list]:
     raise no_usable_rows(LoadReport(skipped=skipped), cfg.data)
 
 
-def expected_rows(plan, first: list[list]) -> int:
-    """About how many samples the dataset will hold: the source's rows (counted without parsing them) times
-    the first chunks' share of usable rows, at most --max-samples."""
-    got = [s for chunk in first for s in chunk]
-    usable = sum(isinstance(s, Sample) for s in got)
-    rows = count_rows(plan.cfg.data) if len(got) == CHUNK_ROWS * len(first) else len(got)  # else: all read
-    expected = round(rows * usable / len(got))
-    return min(expected, plan.cfg.max_samples or expected)
+def expected_rows(cfg, read: int, usable: int, ended: bool) -> int:
+    """About how many samples the dataset will hold, `usable` of the first `read` rows being usable: the
+    source's rows (counted without parsing them) times that share, at most --max-samples."""
+    expected = usable if ended else round(max(count_rows(cfg.data), read) * usable / max(read, 1))
+    return min(expected, cfg.max_samples or expected)
 
 
 def check_chunk(got: list, shape) -> None:
@@ -103,7 +100,8 @@ class Tokenizing:
         self.store, self.cfg, self.shape, self.processes = store, plan.cfg, plan.shape, processes
         self.tokenizer, self.settings = plan.tokenizer, settings(plan.cfg, need_assistant)
         self.first = [] if store.chunks else first  # chunks tokenized before the store existed
-        skip = store.read + sum(map(len, self.first))  # a resumed run goes on after what its store kept
+        self.kept = store.read  # rows an interrupted run tokenized: not tokenized again
+        skip = store.read + sum(map(len, self.first))
         self.rows = itertools.islice(rows, skip, None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="eagle-tokenize")
@@ -157,7 +155,8 @@ class Tokenizing:
             try:
                 for chunk in chunks:
                     pending.append(pool.submit(_worker_chunk, chunk))
-                    if len(pending) > 2 * self.processes:  # a few in flight: the source is read as it is needed
+                    # a few in flight, so the source is read as it is needed; what is done goes to the store now
+                    while pending and (pending[0].done() or len(pending) > 2 * self.processes):
                         yield pending.popleft().result()
                 while pending:
                     yield pending.popleft().result()

@@ -93,6 +93,24 @@ def write_mixed_conversations(path: Path) -> Path:
     return path
 
 
+def write_stream_rows(path: Path, rows: int = 1300) -> Path:
+    """Distinct short conversations of 1 to 3 turns (a few chunks of the stream's), with malformed lines,
+    unknown roles and over-long answers mixed in."""
+    import random
+
+    rng = random.Random(7)
+    with open(path, "w") as f:
+        for i in range(rows):
+            if i % 101 == 3:
+                f.write("{not json\n")
+                continue
+            turns = [{"from": "human" if i % 89 else "wizard", "value": f"Question {i}: what is {rng.random():.5f}?"}]
+            turns.append({"from": "gpt", "value": " ".join(["long"] * (300 if i % 37 == 0 else rng.randint(3, 30)))})
+            turns += turns[:2] * rng.randint(0, 2)
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    return path
+
+
 class _ToyLayer(torch.nn.Module):
     """A decoder layer with vLLM's calling convention and its in-place fused add+norm."""
 

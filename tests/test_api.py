@@ -21,7 +21,7 @@ def test_extract_returns_the_summary_of_what_it_wrote(smollm2_bf16_out, smollm2)
     manifest = json.loads((smollm2_bf16_out / "eagle_extract.json").read_text())
     assert summary["complete"] is True and summary["output"] == str(smollm2_bf16_out)
     assert summary["model"] == manifest["model"] == str(smollm2)  # the bundled model, as the default
-    assert summary["rows"] == manifest["num_samples"] == 24
+    assert summary["rows"] == manifest["num_samples"] == manifest["config"]["max_samples"] == 20
     assert summary["tokens"] == manifest["num_tokens"] > 0
     assert summary["bytes_written"] == manifest["bytes_written"] > 0
     assert summary["aux_layer_ids"] == manifest["aux_layer_ids"] == [2, 15, 27]

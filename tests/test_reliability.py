@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from eagle_extract import verify
 from eagle_extract.lock import MAIN
 from eagle_extract.output import LOG, REPLACEMENT, RUN_FILE
+from eagle_extract.store import STORE
 from eagle_extract.writer import hidden_state_path, read_manifest
 
 from .common import assert_documented, load_row, rel_err
@@ -242,6 +243,7 @@ def test_one_output_folder_through_a_failure_a_rival_a_kill_a_power_cut_a_rerun_
     proc = run_cli(*args, "--max-samples", "6", *failing, check=False)
     case = "a failure after the checks (the engine refuses a setting, the engine dies, a full disk)"
     assert proc.returncode == 1 and "max_num_seqs" in proc.stderr and not (out / RUN_FILE).exists()
+    assert not (out / STORE).exists()  # nor a token store: the corrected command's data may differ
     assert_documented(RUN, case, proc.stderr.strip().splitlines()[-1])
     assert "Traceback" in (out / LOG).read_text()  # the whole story is in the run's log
 
@@ -281,6 +283,7 @@ def test_one_output_folder_through_a_failure_a_rival_a_kill_a_power_cut_a_rerun_
     whole = len(kept) - 3
     assert f"resuming, {whole} rows already written (3 damaged files are written again)" in resumed.stdout
     assert read_manifest(out)["resumed_rows"] == whole and read_manifest(out)["redone_rows"] == 3
+    assert read_manifest(out)["tokenized_rows"] == 0  # the killed run's token store held every row
     shown = (resumed.stdout + resumed.stderr).splitlines()
     assert resumed.stdout.splitlines()[-1].startswith("train on it: speculators train"), shown[-5:]
     assert not [line for line in shown if "WARNING" in line or "EngineCore" in line]  # only our lines ...

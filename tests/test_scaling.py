@@ -11,7 +11,7 @@ from datasets import load_from_disk
 from eagle_extract.shards import ShardError, owns, parse_shard
 
 from .common import load_row, rel_err
-from .conftest import BUDGET, run_cli
+from .conftest import BUDGET, STREAM_ARGS, run_cli
 
 
 def assert_same_output(got, want):
@@ -38,10 +38,11 @@ def test_shard_spec():
     assert [r for r in range(7) if owns((1, 3), r)] == [1, 4]
 
 
-def test_two_shards_run_separately_equal_one_run(tmp_path, tiny_llama, mixed_conversations, tiny_tp1_out):
+def test_two_shards_run_separately_equal_one_run(tmp_path, tiny_llama, stream_rows, streamed_out):
+    """On the streamed run's rows (two chunks, bad rows, skipped long rows, --max-samples): each shard
+    tokenizes every row but writes only its own."""
     out = tmp_path / "sharded"
-    args = ["--model", str(tiny_llama), "--data", str(mixed_conversations), "--output", str(out)]
-    args += ["--dtype", "float32", *BUDGET]
+    args = ["--model", str(tiny_llama), "--data", str(stream_rows), "--output", str(out), *STREAM_ARGS]
     first = run_cli(*args, "--shard", "0/2")
     assert "shard 0/2 done" in first.stdout and not (out / "eagle_extract.json").exists()
     early = run_cli("merge", str(out), check=False)
@@ -50,8 +51,10 @@ def test_two_shards_run_separately_equal_one_run(tmp_path, tiny_llama, mixed_con
     other = run_cli(*args, "--shard", "1/2", "--dtype", "bfloat16", check=False)  # a different job cannot join
     assert other.returncode == 1 and "different dtype" in other.stderr and "other shards' settings" in other.stderr
     run_cli(*args, "--shard", "1/2")  # the last shard completes the dataset
-    assert_same_output(out, tiny_tp1_out)
+    assert_same_output(out, streamed_out)
+    assert (out / "skipped_rows.jsonl").read_text() == (streamed_out / "skipped_rows.jsonl").read_text()
     assert "passes every check" in run_cli("verify", str(out)).stdout
+    assert not list(out.glob(".eagle_extract_tokens*"))  # both shards' stores went with completion
 
 
 def test_two_replicas_equal_one_run(tmp_path, tiny_llama, mixed_conversations, tiny_tp1_out):

@@ -1,0 +1,137 @@
+"""How fast a run of N conversations gets its first row on the disk, and how much memory its driver holds.
+
+Writes synthetic ShareGPT rows (4 turns, distinct text per row, about 590 SmolLM2 tokens each, as
+in issue #20's measurement), runs the CLI on them for a while and stops it with SIGINT.  Measured
+per run, polled every 0.25 s:
+  first_file_s    start to the first hs_*.safetensors on the disk
+  driver_rss_mib  the driver's peak RSS (the eagle-extract process; the engine's processes and the
+                  tokenizing workers are counted apart)
+  workers_mib     the tokenizing worker processes' peak RSS, summed
+  tokenize_rows_s source rows tokenized per second (the token store's markers), engine_rows_s rows
+                  written per second after the first, both over the run's window
+  waited_s        the seconds the capture loop waited for the tokenizer (the run's log)
+
+    python benchmarks/streaming.py --rows 10000 100000 1000000 --seconds 120 [--old /path/to/old/checkout]
+
+`--old` also runs another checkout of eagle-extract (PYTHONPATH) on the same files, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+WORDS = (
+    "the of and to in is you that it he was for on are as with his they at be this have from or one had by word "
+    "but not what all were we when your can said there use an each which she do how their if will up other about "
+    "out many then them these so some her would make like him into time has look two more write go see number no "
+    "way could people my than first water been call who oil its now find long down day did get come made may part "
+    "model layer token draft train state value memory engine batch row file disk speed graph kernel cache shard"
+).split()
+
+
+def write_rows(path: Path, rows: int) -> Path:
+    """Distinct 4-turn conversations, about 590 SmolLM2 tokens each; kept for the next run."""
+    if path.exists():
+        return path
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        for i in range(rows):
+            rng = random.Random(i)
+
+            def say(n: int) -> str:
+                return " ".join(rng.choices(WORDS, k=n)) + f" ({i})"
+
+            turns = [("human", 50), ("gpt", 170), ("human", 50), ("gpt", 170)]
+            f.write(json.dumps({"conversations": [{"from": who, "value": say(n)} for who, n in turns]}) + "\n")
+    tmp.rename(path)
+    return path
+
+
+def _store_read(out: Path) -> int:
+    markers = sorted(out.glob(".eagle_extract_tokens*/chunk_*.json"))
+    for marker in reversed(markers):
+        try:
+            return json.loads(marker.read_text())["read"]
+        except (OSError, ValueError):
+            continue
+    return 0
+
+
+def run_once(command: list[str], env: dict, out: Path, seconds: float) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    driver = psutil.Process(proc.pid)
+    peak = workers_peak = 0
+    first = None
+    read_at_first = files_at_first = 0
+    hidden = out / "hidden_states"
+    while proc.poll() is None:
+        try:
+            peak = max(peak, driver.memory_info().rss)
+            workers = [c for c in driver.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+            workers_peak = max(workers_peak, sum(w.memory_info().rss for w in workers))
+        except psutil.Error:
+            pass
+        files = sum(1 for _ in os.scandir(hidden)) if hidden.is_dir() else 0
+        if first is None and files:
+            first, read_at_first, files_at_first = time.perf_counter() - t0, _store_read(out), files
+        if first is not None and time.perf_counter() - t0 > first + seconds:
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.25)
+    window = time.perf_counter() - t0 - (first or 0)
+    read, files = _store_read(out), sum(1 for _ in os.scandir(hidden)) if hidden.is_dir() else 0
+    proc.wait()
+    log = (out / "eagle_extract.log").read_text(errors="replace") if (out / "eagle_extract.log").exists() else ""
+    waited = re.findall(r"([\d.]+) s waiting for the tokenizer", log)
+    return {
+        "first_file_s": round(first, 1) if first else None,
+        "driver_rss_mib": round(peak / 2**20),
+        "workers_mib": round(workers_peak / 2**20),
+        "tokenize_rows_s": round((read - read_at_first) / window, 1) if first and window else None,
+        "tokenized_rows": read,
+        "engine_rows_s": round((files - files_at_first) / window, 2) if first and window else None,
+        "waited_s": float(waited[-1]) if waited else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--seconds", type=float, default=120.0, help="how long each run goes on after its first file")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/eagle-streaming"))
+    parser.add_argument("--old", type=Path, help="another checkout to run side by side (its PYTHONPATH)")
+    parser.add_argument("args", nargs="*", help="extra eagle-extract arguments (after --)")
+    a = parser.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
+    builds = [("this", Path(__file__).resolve().parents[1])] + ([("old", a.old)] if a.old else [])
+    print("| rows | build | first file s | driver peak RSS MiB | workers MiB | tokenized rows/s | engine rows/s | waited s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for rows in a.rows:
+        data = write_rows(a.work / f"rows_{rows}.jsonl", rows)
+        for name, root in builds:
+            out = a.work / f"out_{rows}_{name}"
+            subprocess.run(["rm", "-rf", str(out)], check=True)
+            env = {**os.environ, "PYTHONPATH": str(root)}
+            command = [sys.executable, "-m", "eagle_extract", "--data", str(data), "--output", str(out), *a.args]
+            r = run_once(command, env, out, a.seconds)
+            print(
+                f"| {rows:,} | {name} | {r['first_file_s']} | {r['driver_rss_mib']} | {r['workers_mib']} | "
+                f"{r['tokenize_rows_s']} ({r['tokenized_rows']:,} rows) | {r['engine_rows_s']} | {r['waited_s']} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

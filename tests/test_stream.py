@@ -1,0 +1,181 @@
+"""The token store written by the background stream, against the one-thread, in-memory tokenization
+(`load_samples`) of the same rows, with the real SmolLM2 tokenizer: bad rows, `--long-samples skip`,
+`--max-samples`, worker processes, and a store cut short by a killed run, which a rerun continues
+without tokenizing again what it kept."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from eagle_extract import stream
+from eagle_extract.config import ExtractConfig
+from eagle_extract.data import load_samples
+from eagle_extract.errors import ExtractError
+from eagle_extract.formats import read_rows
+from eagle_extract.plan import make_plan
+from eagle_extract.store import TokenStore
+from eagle_extract.writer import token_frequencies, write_dataset
+
+ROWS = 1300  # common.write_stream_rows: three chunks of stream.CHUNK_ROWS, the last one partly filled
+
+
+@pytest.fixture(scope="module")
+def rows_file(stream_rows):
+    return stream_rows
+
+
+def _plan(tmp_path, data, **options):
+    cfg = ExtractConfig.from_options(output=tmp_path / "out", data=data, seq_length=256, **options).resolved()
+    return make_plan(cfg)
+
+
+def _stream(plan, store, processes, first=None):
+    first = stream.first_chunks(plan, read_rows(plan.cfg.data)) if first is None else first
+    tokenizing = stream.Tokenizing(store, read_rows(plan.cfg.data), plan, processes, first).start()
+    while store.wait(len(store.chunks)) is not None:
+        pass
+    tokenizing.stop()
+    return store
+
+
+def _assert_same_as_in_memory(store, plan):
+    cfg = plan.cfg
+    samples, report = load_samples(
+        cfg.data, plan.tokenizer, cfg.seq_length, cfg.max_samples, long_samples=cfg.long_samples
+    )
+    rows = [r for chunk in store.chunks for r in store.rows(chunk)]
+    assert [index for index, *_ in rows] == list(range(len(samples)))
+    assert [(row, ids, mask) for _, row, ids, mask in rows] == [(s.row, s.input_ids, s.loss_mask) for s in samples]
+    counts = store.counts()
+    assert (counts["rows"], counts["samples"], counts["truncated"]) == (report.rows, len(samples), report.truncated)
+    assert (counts["skipped"], counts["skipped_long"]) == (len(report.skipped), report.skipped_long)
+    assert list(store.skipped()) == report.skipped
+    freq = token_frequencies([s.input_ids for s in samples], [s.loss_mask for s in samples])
+    assert list(store.token_freq().items()) == list(freq.items())  # the order a Counter gives too
+    return samples, report
+
+
+@pytest.mark.parametrize(
+    "processes, options",
+    [(0, {}), (2, {"long_samples": "skip"}), (1, {"max_samples": 700, "long_samples": "skip"})],
+)
+def test_the_stream_stores_what_one_thread_in_memory_makes(tmp_path, rows_file, processes, options):
+    plan = _plan(tmp_path, rows_file, **options)
+    store = _stream(plan, TokenStore(tmp_path / "store"), processes)
+    samples, report = _assert_same_as_in_memory(store, plan)
+    assert report.skipped and (report.truncated or report.skipped_long)  # the bad rows are there to be met
+    assert len(store.chunks) >= 2 and store.ended
+    if "max_samples" in options:
+        assert len(samples) == 700 and store.read < ROWS  # the source is read no further than needed
+
+    (tmp_path / "ds").mkdir()
+    write_dataset(tmp_path / "ds", store.dataset(), store.token_freq())  # as completion writes it
+    from datasets import load_from_disk
+
+    written = load_from_disk(str(tmp_path / "ds"))
+    assert written.format["type"] == "torch" and len(written) == len(samples)
+    for i in (0, len(samples) // 2, len(samples) - 1):
+        assert torch.equal(written[i]["input_ids"], torch.tensor(samples[i].input_ids))
+        assert torch.equal(written[i]["loss_mask"], torch.tensor(samples[i].loss_mask))
+        assert int(written[i]["seq_len"]) == len(samples[i].input_ids)
+
+
+def test_a_rerun_continues_a_cut_store_without_tokenizing_its_rows_again(tmp_path, rows_file, monkeypatch):
+    plan = _plan(tmp_path, rows_file, long_samples="skip")
+    folder = tmp_path / "store"
+    whole = _stream(plan, TokenStore(tmp_path / "whole"), 0)
+    cut = TokenStore(folder)
+    for number in range(2):  # what a killed run kept: two whole chunks, and a third cut before its marker
+        table, meta = whole.table(number), whole.meta(number)
+        (folder / f"chunk_{number:08d}.arrow").write_bytes(whole.path(number, "arrow").read_bytes())
+        (folder / f"chunk_{number:08d}.json").write_text(json.dumps(meta))
+        assert len(table) == whole.chunks[number].usable
+    (folder / "chunk_00000002.arrow").write_bytes(whole.path(2, "arrow").read_bytes()[:100])
+    (folder / ".chunk_00000003.arrow.tmp").write_bytes(b"torn")
+
+    seen = []
+    real = stream.tokenize_rows
+    monkeypatch.setattr(
+        stream, "tokenize_rows", lambda tok, rows, *a: seen.extend(n for n, _ in rows) or real(tok, rows, *a)
+    )
+    cut = TokenStore(folder)
+    assert len(cut.chunks) == 2 and not list(folder.glob(".*.tmp")) and not (folder / "chunk_00000002.arrow").exists()
+    _stream(plan, cut, 0, first=[])
+    assert seen and min(seen) == whole.chunks[1].read  # the first row after the kept chunks, and none before
+    _assert_same_as_in_memory(cut, plan)
+
+    seen.clear()
+    _stream(plan, TokenStore(folder), 0, first=[])  # a complete store: nothing is read or tokenized
+    assert seen == []
+
+
+def test_a_tokenizing_worker_that_dies_is_one_line(tmp_path, rows_file):
+    import itertools
+    import threading
+
+    import psutil
+
+    from .common import assert_documented
+
+    plan = _plan(tmp_path, rows_file)
+    go_on = threading.Event()
+
+    def rows():  # the last chunk waits until the worker is dead, so the stream cannot end first
+        source = read_rows(rows_file)
+        yield from itertools.islice(source, 2 * stream.CHUNK_ROWS)
+        go_on.wait(60)
+        yield from source
+
+    store = TokenStore(tmp_path / "store")
+    tokenizing = stream.Tokenizing(store, rows(), plan, 1, []).start()
+    workers = []
+    for _ in range(600):
+        workers = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+        if workers:
+            break
+        time.sleep(0.1)
+    workers[0].kill()
+    go_on.set()
+    with pytest.raises(ExtractError) as caught:
+        while store.wait(len(store.chunks)) is not None:
+            pass
+    tokenizing.stop()
+    line = f"Error: {caught.value} (the run's log: {tmp_path}/eagle_extract.log)"
+    assert_documented("During the run", "a tokenizing worker process dies", line)
+
+
+def test_a_streamed_run_writes_what_the_in_memory_rows_say(tmp_path, stream_rows, tiny_llama, streamed_out):
+    """The CLI on two chunks with a worker process, bad rows, --long-samples skip and --max-samples: the
+    dataset is the one-thread tokenization's, row for row, each row's file holds its tokens and the
+    states transformers computes for them, and the token store is gone once the output is complete."""
+    from datasets import load_from_disk
+
+    from eagle_extract import verify
+    from eagle_extract.writer import read_manifest
+
+    from .common import Reference, load_row, rel_err
+
+    out = streamed_out
+    plan = _plan(tmp_path, stream_rows, model=str(tiny_llama), long_samples="skip", max_samples=600)
+    samples, report = load_samples(stream_rows, plan.tokenizer, 256, 600, long_samples="skip")
+    rows = load_from_disk(str(out)).with_format(None)
+    assert rows["input_ids"] == [s.input_ids for s in samples] and rows["loss_mask"] == [s.loss_mask for s in samples]
+    skipped = [json.loads(line) for line in (out / "skipped_rows.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["reason"]) for r in skipped] == report.skipped and report.skipped_long
+    manifest = read_manifest(out)
+    ranges = [row for first, end in manifest["source_row_ranges"] for row in range(first, end)]
+    assert ranges == [s.row for s in samples] and samples[-1].row >= stream.CHUNK_ROWS  # past the first chunk
+    assert (manifest["num_samples"], manifest["skipped"], manifest["skipped_long"]) == (
+        len(samples), len(report.skipped), report.skipped_long
+    )  # fmt: skip
+    assert manifest["tokenized_rows"] == report.rows and not list(out.glob(".eagle_extract_tokens*"))
+    assert verify(out).ok
+    ref = Reference(tiny_llama)
+    for i in (0, 300, len(samples) - 1):
+        got = load_row(out, i)
+        assert got["token_ids"].tolist() == samples[i].input_ids
+        assert rel_err(got["hidden_states"], ref.slots(samples[i].input_ids, manifest["slot_layer_ids"])) < 1e-4
