@@ -119,8 +119,9 @@ def smollm2_bf16_out(tmp_path_factory, smollm2, mixed_conversations) -> Path:
     return out
 
 
-# A streamed run of several chunks with a tokenizing worker, bad rows, skipped long rows and --max-samples.
-STREAM_ARGS = ("--dtype", "float32", "--seq-length", "256", "--long-samples", "skip", "--max-samples", "600", *BUDGET)
+# A streamed run of two chunks with a tokenizing worker, bad rows, skipped long rows and --max-samples
+# (vLLM's own step budget: the short rows need no split over steps, which the runs above test).
+STREAM_ARGS = ("--dtype", "float32", "--seq-length", "256", "--long-samples", "skip", "--max-samples", "600")
 
 
 @pytest.fixture(scope="session")

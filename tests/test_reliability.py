@@ -1,4 +1,4 @@
-"""Crash safety and verification: SIGKILL then rerun, `verify` finding damage, `--repair`."""
+"""Crash safety and verification: a SIGKILLed worker then a rerun, `verify` finding damage, `--repair`."""
 
 from __future__ import annotations
 
@@ -168,18 +168,6 @@ def _alive(processes) -> list:
     return [p.pid for p in processes if running(p)]
 
 
-def test_a_dead_worker_is_reported_not_waited_for(tmp_path, tiny_llama, mixed_conversations):
-    args = _tiny_args(tiny_llama, mixed_conversations, tmp_path / "o", "--batch-size", "1")
-    proc = _start(args, tmp_path / "log")
-    _wait_for(lambda: list((tmp_path / "o" / "hidden_states").glob("hs_*.safetensors")))
-    engine = _engine_processes(proc)
-    workers = [p for p in engine if "Worker" in p.name()]
-    assert workers and len(engine) > len(workers), [p.name() for p in engine]
-    workers[0].kill()
-    _finish(proc, "a worker process dies")
-    assert proc.returncode == 1 and not _alive(engine)  # the engine core too: nothing is left holding GPUs
-
-
 def test_a_hung_engine_is_stopped_after_the_stall_timeout_and_leaves_no_process(
     tmp_path, tiny_llama, mixed_conversations
 ):
@@ -227,7 +215,7 @@ def test_engine_steps_count_as_progress_and_their_absence_as_a_stall(tmp_path):
     assert re.search(r"made no progress for \d+ s \(--stall-timeout 2\)", proc.stderr) and time.time() - t0 < 20
 
 
-def test_one_output_folder_through_a_failure_a_rival_a_kill_a_power_cut_a_rerun_and_overwrites(
+def test_one_output_folder_through_a_failure_a_rival_a_dead_worker_a_power_cut_a_rerun_and_overwrites(
     tmp_path, tiny_llama, mixed_conversations, tiny_tp1_out
 ):
     """The misuse and accidents one output folder meets, in the order a user would meet them, on real
@@ -253,9 +241,16 @@ def test_one_output_folder_through_a_failure_a_rival_a_kill_a_power_cut_a_rerun_
         _wait_for(lambda: (out / MAIN).exists() and (out / MAIN).read_text())
         rival = run_cli(*args, check=False)
         _wait_for(lambda: len(list((out / "hidden_states").glob("hs_*.safetensors"))) >= 4)
+        engine = _engine_processes(first)
+        workers = [p for p in engine if "Worker" in p.name()]
+        assert workers and len(engine) > len(workers), [p.name() for p in engine]
+        workers[0].kill()  # ... which then loses a worker: reported, not waited for
+        _finish(first, "a worker process dies")
+        assert first.returncode == 1 and not _alive(engine)  # the engine core too: nothing is left holding GPUs
     finally:
-        os.killpg(first.pid, signal.SIGKILL)  # ... which then dies with its engine core and workers
-        first.wait()
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
     lines = [line for line in rival.stderr.splitlines() if line.strip()]
     assert rival.returncode == 1 and len(lines) == 1, rival.stderr
     assert f"is being written by another eagle-extract run (pid {first.pid} on" in lines[0]
