@@ -62,7 +62,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/eagle-store"))
     a = parser.parse_args()
     rss = PeakRSS()
-    print("| rows | tokens | store GiB | append rows/s | append peak RSS MiB | completion s | completion peak RSS MiB |")
+    print(
+        "| rows | tokens | store GiB | append rows/s | append peak RSS MiB | completion s | completion peak RSS MiB |"
+    )
     print("|---|---|---|---|---|---|---|")
     rng = random.Random(0)
     chunks = [chunk(rng, k * CHUNK_ROWS) for k in range(4)]  # made once: the appends, not the making, are timed

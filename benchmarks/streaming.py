@@ -1,7 +1,8 @@
 """How fast a run of N conversations gets its first row on the disk, and how much memory its driver holds.
 
-Writes synthetic ShareGPT rows (4 turns, distinct text per row, about 590 SmolLM2 tokens each, as
-in issue #20's measurement), runs the CLI on them for a while and stops it with SIGINT.  Measured
+Writes synthetic ShareGPT rows (4 turns of Zipf-distributed pseudo-words, distinct per row,
+about 590 SmolLM2 tokens each, as in issue #20's measurement), runs the CLI on them for a while
+and stops it with SIGINT.  Measured
 per run, polled every 0.25 s:
   first_file_s    start to the first hs_*.safetensors on the disk
   driver_rss_mib  the driver's peak RSS (the eagle-extract process; the engine's processes and the
@@ -19,6 +20,7 @@ per run, polled every 0.25 s:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -31,29 +33,30 @@ from pathlib import Path
 
 import psutil
 
-WORDS = (
-    "the of and to in is you that it he was for on are as with his they at be this have from or one had by word "
-    "but not what all were we when your can said there use an each which she do how their if will up other about "
-    "out many then them these so some her would make like him into time has look two more write go see number no "
-    "way could people my than first water been call who oil its now find long down day did get come made may part "
-    "model layer token draft train state value memory engine batch row file disk speed graph kernel cache shard"
-).split()
+SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou", "er")]
+
+
+def _words(n: int = 20_000) -> tuple[list[str], list[float]]:  # (words, cumulative weights)
+    """A vocabulary of pseudo-words of 1 to 4 syllables with Zipf weights, like a language's: the
+    tokenizer meets common words often and rare ones seldom (the bundled conversations know 118 words)."""
+    rng = random.Random(0)
+    words = sorted({"".join(rng.choices(SYLLABLES, k=rng.randint(1, 4))) for _ in range(n)})
+    rng.shuffle(words)
+    return words, list(itertools.accumulate(1 / (k + 1) for k in range(len(words))))
 
 
 def write_rows(path: Path, rows: int) -> Path:
-    """Distinct 4-turn conversations, about 590 SmolLM2 tokens each; kept for the next run."""
+    """Distinct 4-turn conversations of those words, about 590 SmolLM2 tokens each; kept for the next run."""
     if path.exists():
         return path
-    tmp = path.with_suffix(".tmp")
+    (words, cumulative), tmp = _words(), path.with_suffix(".tmp")
+    turns = [("human", 17), ("gpt", 66), ("human", 17), ("gpt", 66)]
     with open(tmp, "w") as f:
         for i in range(rows):
             rng = random.Random(i)
-
-            def say(n: int) -> str:
-                return " ".join(rng.choices(WORDS, k=n)) + f" ({i})"
-
-            turns = [("human", 50), ("gpt", 170), ("human", 50), ("gpt", 170)]
-            f.write(json.dumps({"conversations": [{"from": who, "value": say(n)} for who, n in turns]}) + "\n")
+            said = [" ".join(rng.choices(words, cum_weights=cumulative, k=n)) + "." for _, n in turns]
+            said[0] = f"({i}) {said[0]}"
+            f.write(json.dumps({"conversations": [{"from": w, "value": v} for (w, _), v in zip(turns, said)]}) + "\n")
     tmp.rename(path)
     return path
 
@@ -115,8 +118,10 @@ def main() -> None:
     parser.add_argument("args", nargs="*", help="extra eagle-extract arguments (after --)")
     a = parser.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    builds = [("this", Path(__file__).resolve().parents[1])] + ([("old", a.old)] if a.old else [])
-    print("| rows | build | first file s | driver peak RSS MiB | workers MiB | tokenized rows/s | engine rows/s | waited s |")
+    builds = [("this", Path(__file__).resolve().parents[1])]
+    builds += [("old", a.old)] if a.old else []
+    columns = "first file s | driver peak RSS MiB | workers MiB | tokenized rows/s | engine rows/s | waited s"
+    print(f"| rows | build | {columns} |")
     print("|---|---|---|---|---|---|---|---|")
     for rows in a.rows:
         data = write_rows(a.work / f"rows_{rows}.jsonl", rows)
