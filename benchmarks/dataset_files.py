@@ -3,7 +3,7 @@
 Appends N synthetic rows (about 590 tokens each, 512 per chunk, as the stream writes them) to a token
 store, then writes the dataset files and token_freq.pt from it as completion does. Prints the rows/s
 of the appends (the stream's Arrow writing, fsync included), the completion's seconds, and the peak
-RSS of this process in each phase (`ru_maxrss` sampled between phases; the page cache is not RSS).
+RSS of this process in each phase (polled every 50 ms; the page cache is not RSS).
 
     python benchmarks/dataset_files.py --rows 10000 100000 1000000 --work /tmp/eagle-store
 """

@@ -71,6 +71,11 @@ def _store_read(out: Path) -> int:
     return 0
 
 
+def _tokenizer_worker(process) -> bool:
+    """A spawned worker that is not one of the engine's (vLLM titles its own VLLM::...)."""
+    return "spawn_main" in " ".join(process.cmdline()) and not process.name().startswith("VLLM")
+
+
 def run_once(command: list[str], env: dict, out: Path, seconds: float) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -82,7 +87,7 @@ def run_once(command: list[str], env: dict, out: Path, seconds: float) -> dict:
     while proc.poll() is None:
         try:
             peak = max(peak, driver.memory_info().rss)
-            workers = [c for c in driver.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+            workers = [c for c in driver.children(recursive=True) if _tokenizer_worker(c)]
             workers_peak = max(workers_peak, sum(w.memory_info().rss for w in workers))
         except psutil.Error:
             pass

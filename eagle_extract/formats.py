@@ -198,10 +198,12 @@ def count_rows(path: Path) -> int:
     """About how many rows `read_rows` yields, without parsing them (lines, for JSONL): for the disk estimate."""
     path = Path(path)
     if is_dataset_folder(path):
-        from datasets import load_from_disk
+        from datasets import DatasetDict, load_from_disk
 
         ds = load_from_disk(str(path))
-        return sum(len(split) for split in ds.values()) if hasattr(ds, "values") else len(ds)
+        if isinstance(ds, DatasetDict):  # the split _dataset_rows reads
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        return len(ds)
     with path.open("rb") as f:
         magic = f.read(4)
     if magic == b"PAR1":

@@ -311,19 +311,6 @@ def kept_file_problem(path: Path, tokens: int, slots: int, hidden: int, legacy: 
     return None
 
 
-def drop_damaged(output: Path, tokens: dict[int, int], slot_ids: list[int], hidden: int, legacy: bool) -> set[int]:
-    """Of the kept rows (row -> its token count), those whose file is not whole: a power cut can leave a
-    final name on a torn or empty file when the folder's entry reached the disk and the data did not.
-    Deleted, to be written again."""
-    damaged = set()
-    for i in sorted(tokens):
-        path = hidden_state_path(output, i, legacy)
-        if kept_file_problem(path, tokens[i], len(slot_ids), hidden, legacy):
-            path.unlink(missing_ok=True)
-            damaged.add(i)
-    return damaged
-
-
 def forget_other_counts(output: Path, count: int) -> None:
     """A --dp run resumed with another count: the earlier replicas' records go (their rows stay, whoever
     wrote them); the parent holds the folder alone."""
@@ -422,12 +409,12 @@ def complete(plan: Plan, store: TokenStore, runs: list[dict], regenerated) -> di
     }
     try:
         _write_skip_report(output, store)
+        for folder in [*output.glob(f"{STORE}*"), output / PARTS_DIR]:  # the dataset files hold the tokens now
+            shutil.rmtree(folder, ignore_errors=True)  # (before the manifest: a complete output holds no store)
         write_manifest(output, manifest)
     except OSError as exc:
         raise ExtractError(f"writing the manifest in {output}: {exc.strerror or exc}; rerun to finish") from None
     (output / shards.COMPLETING).unlink(missing_ok=True)
-    for folder in [*output.glob(f"{STORE}*"), output / PARTS_DIR]:  # the dataset files hold the tokens now
-        shutil.rmtree(folder, ignore_errors=True)
     return manifest
 
 
@@ -478,16 +465,16 @@ def _merge(output: Path) -> dict:
             f"shard(s) {names} of {output} have not finished; run them (--shard {missing[0]}/{num}), then merge again"
         )
     plan = make_plan(ExtractConfig.from_options(**{**summary["config"], "output": output}))
-    stores = [TokenStore(output / store_name((k, num))) for k in range(num)]
-    store = next((s for s in stores if s.ended), None)  # every shard's holds every row
-    if store is None:
+    folders = [output / store_name((k, num)) for k in range(num)]
+    whole = next((f for f in folders if TokenStore(f, change=False).ended), None)  # every shard's holds every row
+    if whole is None:
         raise ExtractError(
             f"{output}: no shard left its token store whole, so the dataset files cannot be written; "
             f"rerun one shard's command (--shard 0/{num}): it finds its rows written and completes the output"
         )
     (output / shards.COMPLETING).unlink(missing_ok=True)  # an earlier completer that died left its lock
     shards.claim_completion(output)
-    return complete(plan, store, [runs[k] for k in range(num)], None)
+    return complete(plan, TokenStore(whole), [runs[k] for k in range(num)], None)
 
 
 def reopen(output: Path, rows: list[int]) -> ExtractConfig:

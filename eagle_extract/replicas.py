@@ -18,7 +18,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import ExtractConfig
-from .data import Sample
 from .engine import cpu_thread_binding
 from .errors import ExtractError
 from .formats import read_rows
@@ -41,7 +40,7 @@ from .plan import make_plan
 from .run import run
 from .runlog import progress
 from .shards import SHARDS_DIR
-from .stream import CHUNK_ROWS, expected_rows, first_chunks
+from .stream import expected_rows, first_chunks, first_counts
 from .writer import MANIFEST, completed_rows, read_manifest
 
 
@@ -77,8 +76,8 @@ def run_replicas(cfg: ExtractConfig, log=print) -> dict:
     if cfg.shard or cfg.regenerate:
         raise ExtractError("--dp cannot be combined with --shard or --regenerate")
     plan = make_plan(cfg)  # every input check once, before any engine starts
-    got = [s for chunk in first_chunks(plan, read_rows(cfg.data)) for s in chunk]
-    expected = expected_rows(cfg, len(got), sum(isinstance(s, Sample) for s in got), len(got) % CHUNK_ROWS != 0)
+    read, usable, _, ended = first_counts(first_chunks(plan, read_rows(cfg.data)))
+    expected = expected_rows(cfg, read, usable, ended)
     output = Path(cfg.output)
     slices = device_slices(dp, cfg.tp, cfg.pp)
     with claimed(output, None) as lock_fd:  # the replicas hold their shards' locks under this one

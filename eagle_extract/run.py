@@ -14,7 +14,7 @@ from pathlib import Path
 from . import output as out
 from . import preflight, regenerate, shards, stream
 from .config import ExtractConfig
-from .data import Sample, read_records
+from .data import read_records
 from .engine import start_engine
 from .errors import ExtractError, engine_errors
 from .formats import BadRow, read_rows
@@ -37,7 +37,8 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         first = sized = None
     else:  # before anything is created: the first rows' errors, and the disk estimate from them
         kept = None if cfg.overwrite else TokenStore(output / store_name(plan.shard), change=False)
-        resuming = kept is not None and bool(kept.chunks)  # what the interrupted run tokenized is not done again
+        vouched = (output / out.run_file(plan.shard)).exists()  # else prepare_output starts the store over
+        resuming = kept is not None and bool(kept.chunks) and vouched  # its rows are not tokenized again
         source, first = None, [] if resuming else stream.first_chunks(plan, read_rows(cfg.data))
         sized = _sized(plan, first, set() if cfg.overwrite else completed_rows(output, cfg.legacy), kept)
     with out.claimed(output, plan.shard):
@@ -68,13 +69,9 @@ def _sized(plan: Plan, first: list[list], done: set[int], kept: TokenStore | Non
     first chunks (or the rows a kept store holds) and the source's row count; refused when they cannot fit the
     disk."""
     cfg = plan.cfg
-    got = [s for chunk in first for s in chunk]
-    samples = [s for s in got if isinstance(s, Sample)]
-    if first:
-        read, usable, tokens = len(got), len(samples), sum(len(s.input_ids) for s in samples)
-        ended = len(got) < stream.CHUNK_ROWS * len(first)
-    else:
-        read, usable, tokens, ended = kept.read, kept.usable, kept.tokens, kept.ended
+    read, usable, tokens, ended = (
+        stream.first_counts(first) if first else (kept.read, kept.usable, kept.tokens, kept.ended)
+    )
     expected = stream.expected_rows(cfg, read, usable, ended)
     share = 1 / plan.shard[1] if plan.shard else 1  # shards write at about one pace: done rows are theirs alike
     todo_rows = max(0.0, (expected - len(done)) * share)
@@ -120,16 +117,16 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
         store = TokenStore(output / store_name(plan.shard))
         processes = cfg.tokenize_processes
         if processes is None:
-            processes = stream.default_processes(0 if rows is not None else source_bytes(Path(cfg.data)))
+            processes = stream.default_processes(0 if rows is not None else source_bytes(Path(cfg.data)), cfg.dp)
         tokenizing = stream.Tokenizing(store, rows if rows is not None else read_rows(cfg.data), plan, processes, first)
         tokenizing.start()
         if done:
-            log(f"checking the {len(done)} row files an interrupted run wrote")
+            log("checking the row files an interrupted run wrote")
         kept, damaged, checked = _check_kept(plan, store, done)
         done -= damaged
         mine = -(-expected // plan.shard[1]) if plan.shard else expected
         part = f" (shard {cfg.shard}: about {mine} of them)" if plan.shard else ""
-        resumed = f"; resuming, {kept} rows already written" if done else ""
+        resumed = f"; resuming, {len(done) if plan.shard is None else kept} rows already written" if done else ""
         resumed += f" ({len(damaged)} damaged files are written again)" if damaged else ""
         log(
             f"about {expected} samples{part}, tokenized as the engine runs ({processes or 'no'} worker processes); "
@@ -147,7 +144,8 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
                 start_s = _watched(llm, watch, t0)
             tally = {"kept": kept, "waited_s": 0.0}
             batches = _todo(plan, store, done, checked, watch, tally)
-            written, stats, extract_s, handed, tokens = _capture(llm, plan, batches, mine, tally, run_log.note, watch)
+            got = _capture(llm, plan, batches, done, mine, tally, run_log.note, watch)
+            written, stats, extract_s, handed, tokens = got
             kept = tally["kept"]
     finally:
         if tokenizing is not None:
@@ -221,21 +219,21 @@ def _damaged(plan: Plan, index: int, tokens: int) -> bool:
 
 def _todo(plan: Plan, store: TokenStore, done: set[int], checked: int, watch: EngineWatch, tally: dict):
     """This job's rows still to write, in batches of --batch-size, read from the store as the stream fills it.
-    A batch goes as soon as the store has nothing more for now; waiting for the stream stops the stall clock.
+    A batch goes as soon as the store has nothing more for now.
     `tally` counts the kept rows checked on the way ("kept") and the seconds spent waiting ("waited_s")."""
     batch, number = [], 0
     while True:
         chunk = store.wait(number, timeout=0)
-        if chunk is None and not store.ended:
-            if batch:
-                yield batch
-                batch = []
-            watch.pause()
+        if chunk is None and batch:  # the engine gets what there is rather than wait for a whole batch
+            yield batch
+            batch = []
+            continue
+        if chunk is None:  # a stream that stops moving is a stall like an engine that does (--stall-timeout)
             t0 = time.perf_counter()
             chunk = store.wait(number)
             tally["waited_s"] += time.perf_counter() - t0
             watch.beat()
-        if chunk is None:
+        if chunk is None:  # the stream ended before chunk `number` (wait() looks again once it ended)
             break
         number += 1
         if chunk.first + chunk.usable <= checked and done.issuperset(range(chunk.first, chunk.first + chunk.usable)):
@@ -306,10 +304,11 @@ def _check_matching(history: list[tuple[int, int]], first: int | None) -> None:
         )
 
 
-def _capture(llm, plan: Plan, batches, total: int, tally: dict, note, watch: EngineWatch) -> tuple:
+def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, note, watch: EngineWatch) -> tuple:
     """Stream the rows still to do through the engine; returns (rows written, capture stats, seconds, rows
     handed to the engine, their tokens).  `note` puts each batch's counts in the run's log; `total` is
-    this job's estimated row count, for the progress display; `tally` is _todo's."""
+    this job's estimated row count, for the progress display; `tally` is _todo's; `done`, the rows already
+    in the folder."""
     kept = tally["kept"]
     from vllm import SamplingParams, TokensPrompt
 
@@ -323,8 +322,9 @@ def _capture(llm, plan: Plan, batches, total: int, tally: dict, note, watch: Eng
         check_layout(writers, plan.shape.num_layers, len(plan.slot_ids))
     except ValueError as exc:
         raise ExtractError(f"{exc}; report this as a bug with the model class {installed[0]['model_class']}") from None
-    joiner, masks = None, {} if cfg.legacy else None
+    joiner, masks = None, None
     if any(w["part"] for w in writers):  # pipeline stages: join their part files into rows
+        masks = {} if cfg.legacy else None  # the legacy rows' loss masks, each until its row is joined
         joiner = PartJoiner(Path(cfg.output), writers, cfg.fp8, masks)
 
     def record(report: dict, last: bool = False) -> None:
@@ -342,13 +342,13 @@ def _capture(llm, plan: Plan, batches, total: int, tally: dict, note, watch: Eng
         kept_as = out.kept_dtype(Path(cfg.output), index) if not (cfg.fp8 or cfg.legacy) else None
         if kept_as and kept_as != writers[0]["dtype"]:
             raise ExtractError(
-                f"the engine runs in {writers[0]['dtype']}, but the {kept} rows already written are {kept_as}; "
+                f"the engine runs in {writers[0]['dtype']}, but the {len(done)} rows already written are {kept_as}; "
                 f"resume where the engine runs in {kept_as} (--dtype auto can choose otherwise on another GPU or "
                 "vLLM), or pass --overwrite to start over"
             )
 
-    if kept:
-        check_dtype(min(completed_rows(Path(cfg.output), cfg.legacy)))
+    if done:
+        check_dtype(min(done))
     params = SamplingParams(max_tokens=1, temperature=0.0)
     written, handed = set(), set()
     watch.beat()

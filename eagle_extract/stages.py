@@ -122,7 +122,7 @@ class PartJoiner:
         self._futures = pending
 
     def _join(self, index: int) -> None:
-        mask = None if self.loss_masks is None else self.loss_masks[index]
+        mask = None if self.loss_masks is None else self.loss_masks.pop(index)
         join_row(self.output, index, self.parts, self.fp8, mask)
         with self._lock:
             self.joined.add(index)

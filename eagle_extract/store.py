@@ -225,13 +225,6 @@ class TokenStore:
         """Every usable row as one `datasets.Dataset`, mapped from the chunk files (nothing copied)."""
         import datasets
 
-        features = datasets.Features(
-            {
-                "input_ids": datasets.Sequence(datasets.Value("int64")),
-                "loss_mask": datasets.Sequence(datasets.Value("int64")),
-                "seq_len": datasets.Value("int64"),
-            }
-        )
-        info = datasets.DatasetInfo(features=features)
+        info = datasets.DatasetInfo(features=datasets.Features.from_arrow_schema(_schema()))
         parts = [datasets.Dataset.from_file(str(self.path(c.number, "arrow")), info=info) for c in self.chunks]
         return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]

@@ -25,12 +25,12 @@ CHUNK_ROWS = 512  # source rows per chunk: one worker task, one store chunk
 SMALL_SOURCE = 32 * 2**20  # bytes: a smaller data source is tokenized by the background thread itself
 
 
-def default_processes(source_bytes: int) -> int:
+def default_processes(source_bytes: int, replicas: int = 1) -> int:
     """Worker processes: none for a small source (starting them costs more than they save), else one per
-    four CPU cores, 1 to 8 (the engine's own processes need the rest)."""
+    four CPU cores (of this replica's share), 1 to 8: the engine's own processes need the rest."""
     if source_bytes < SMALL_SOURCE:
         return 0
-    return max(1, min(8, (os.cpu_count() or 1) // 4))
+    return max(1, min(8, (os.cpu_count() or 1) // (4 * replicas)))
 
 
 _worker: dict = {}
@@ -80,6 +80,13 @@ def first_chunks(plan, rows) -> list[list]:
     raise no_usable_rows(LoadReport(skipped=skipped), cfg.data)
 
 
+def first_counts(first: list[list]) -> tuple[int, int, int, bool]:
+    """(rows read, usable rows, their tokens, whether the source ended) of the first chunks."""
+    got = [s for chunk in first for s in chunk]
+    samples = [s for s in got if isinstance(s, Sample)]
+    return len(got), len(samples), sum(len(s.input_ids) for s in samples), len(got) < CHUNK_ROWS * len(first)
+
+
 def expected_rows(cfg, read: int, usable: int, ended: bool) -> int:
     """About how many samples the dataset will hold, `usable` of the first `read` rows being usable: the
     source's rows (counted without parsing them) times that share, at most --max-samples."""
@@ -121,6 +128,11 @@ class Tokenizing:
 
         try:
             self._fill()
+        except OSError as exc:  # writing the store: a full disk, say
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self.store.fail(
+                ExtractError(f"writing the token store {self.store.folder}: {why}; fix it and rerun to resume")
+            )
         except BrokenProcessPool:
             self.store.fail(
                 ExtractError(
@@ -135,12 +147,17 @@ class Tokenizing:
     def _fill(self) -> None:
         chunks = iter(lambda: list(itertools.islice(self.rows, CHUNK_ROWS)), [])
         results = self._pooled(chunks) if self.processes else self._inline(chunks)
-        for got in itertools.chain(self.first, results):
-            check_chunk(got, self.shape)
-            if self._stop.is_set() or self._append(got):
-                results.close()
-                return
-        self.store.append([], self.store.read, last=True)
+        try:  # closing `results` stops the worker processes, however this ends
+            for got in itertools.chain(self.first, results):
+                try:
+                    check_chunk(got, self.shape)
+                except ExtractError as exc:  # rows may be written by now: --seq-length is the run's identity
+                    raise ExtractError(f"{exc}, with --overwrite if rows were written") from None
+                if self._stop.is_set() or self._append(got):
+                    return
+            self.store.append([], self.store.read, last=True)
+        finally:
+            results.close()
 
     def _inline(self, chunks):
         for chunk in chunks:
