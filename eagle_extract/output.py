@@ -408,7 +408,7 @@ def complete(plan: Plan, store: TokenStore, runs: list[dict], regenerated) -> di
         "versions": _versions(),
     }
     try:
-        _write_skip_report(output, store)
+        _write_skip_report(output, store, counts["skipped"])
         for folder in [*output.glob(f"{STORE}*"), output / PARTS_DIR]:  # the dataset files hold the tokens now
             shutil.rmtree(folder, ignore_errors=True)  # (before the manifest: a complete output holds no store)
         write_manifest(output, manifest)
@@ -418,13 +418,13 @@ def complete(plan: Plan, store: TokenStore, runs: list[dict], regenerated) -> di
     return manifest
 
 
-def _write_skip_report(output: Path, store: TokenStore) -> None:
+def _write_skip_report(output: Path, store: TokenStore, skipped: int) -> None:
     def save(tmp: Path) -> None:
         with open(tmp, "w") as f:
             for row, why in store.skipped():
                 f.write(json.dumps({"row": row, "reason": why}) + "\n")
 
-    if store.counts()["skipped"]:
+    if skipped:
         write_atomically(output / SKIPPED, save)
 
 

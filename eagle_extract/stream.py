@@ -129,7 +129,7 @@ class Tokenizing:
         try:
             self._fill()
         except OSError as exc:  # writing the store: a full disk, say
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            why = exc.strerror or str(exc)
             self.store.fail(
                 ExtractError(f"writing the token store {self.store.folder}: {why}; fix it and rerun to resume")
             )
