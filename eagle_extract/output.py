@@ -15,13 +15,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import lock, shards
-from .atomic import write_atomically, write_json
+from .atomic import fsync, write_atomically, write_json
 from .config import LEGACY, ExtractConfig
 from .errors import ExtractError
 from .layers import CONVENTION, legacy_layer_ids
 from .plan import Plan, make_plan
 from .stages import PARTS_DIR
-from .store import STORE, TokenStore, store_name
+from .store import STORE, DatasetRows, TokenStore, store_name
 from .version import __version__
 from .writer import (
     HIDDEN_DIR,
@@ -235,7 +235,7 @@ def prepare_output(output: Path, identity: dict, overwrite: bool, shard: tuple[i
     if not (output / run_file(shard)).exists():
         shutil.rmtree(output / store_name(shard), ignore_errors=True)
     legacy = identity.get("format") == LEGACY
-    done = completed_rows(output, legacy)
+    done = completed_rows(shards.rows_folder(output, shard), legacy)
     if shard is None:  # a shard leaves the others' files in flight alone: it writes its own again anyway
         _sweep(output)
     write_json(output / run_file(shard), identity)
@@ -312,20 +312,24 @@ def kept_file_problem(path: Path, tokens: int, slots: int, hidden: int, legacy: 
 
 
 def forget_other_counts(output: Path, count: int) -> None:
-    """A --dp run resumed with another count: the earlier replicas' records go (their rows stay, whoever
-    wrote them); the parent holds the folder alone."""
+    """A --dp run resumed with another count: the earlier replicas' records and token stores go (their rows
+    stay: they are named by source row, whoever wrote them); the parent holds the folder alone."""
     for path in [*output.glob(".eagle_extract_run.*-of-*.json"), *output.glob(f"{shards.SHARDS_DIR}/*-of-*.json")]:
         if not path.name.endswith(f"-of-{count}.json"):
             path.unlink()
+    for folder in output.glob(f"{STORE}.*-of-*"):
+        if not folder.name.endswith(f"-of-{count}"):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def abandon_if_empty(output: Path, shard: tuple[int, int] | None) -> None:
     """A run that failed before writing anything leaves no record that would refuse a corrected command."""
     from .regenerate import JOURNAL, REGENERATED
 
-    legacy_rows = completed_rows(output, legacy=True)
+    folders = (output, output / shards.ROWS_DIR)
+    written = any(completed_rows(f) or completed_rows(f, legacy=True) for f in folders)
     answers = (output / REGENERATED).exists() or (output / JOURNAL).exists()
-    if not completed_rows(output) and not legacy_rows and not answers:
+    if not written and not answers:
         (output / run_file(shard)).unlink(missing_ok=True)
         shutil.rmtree(output / store_name(shard), ignore_errors=True)  # tokenized again: the data may change
 
@@ -348,13 +352,12 @@ def _versions() -> dict:
     }
 
 
-def complete(plan: Plan, store: TokenStore, runs: list[dict], regenerated) -> dict:
-    """Write the dataset files (from the token store) and, last, the manifest: the output now looks complete."""
+def complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerated) -> dict:
+    """Write the dataset files (from the token stores: the run's, or every shard's) and, last, the manifest:
+    the output now looks complete."""
     cfg, shape, output = plan.cfg, plan.shape, Path(plan.cfg.output)
-    counts = store.counts()
-    missing = sorted(set(range(counts["samples"])) - completed_rows(output, cfg.legacy))
-    if missing:
-        raise ExtractError(f"{len(missing)} rows have no hidden-state file (first: row {missing[0]}); rerun to finish")
+    rows = DatasetRows(stores)
+    counts = rows.counts
     engines = {r["capture"].get("dtype") for r in runs if isinstance(r.get("capture"), dict)} - {None}
     if len(engines) > 1:
         raise ExtractError(
@@ -362,8 +365,9 @@ def complete(plan: Plan, store: TokenStore, runs: list[dict], regenerated) -> di
             "their rows differ in dtype; rerun every shard into a new output with --dtype set to one of them"
         )
     dtype = engines.pop() if engines else plan.dtype  # the engine's: --dtype auto may not be config.json's
+    _name_by_index(output, rows, cfg.legacy, len(runs) if plan.shard else None)
     try:
-        write_dataset(output, store.dataset(), store.token_freq())
+        write_dataset(output, rows.dataset(), rows.token_freq())
     except OSError as exc:
         raise ExtractError(f"writing the dataset files in {output}: {exc.strerror or exc}; rerun to finish") from None
     extract_s = max(r["extract_s"] for r in runs)
@@ -388,7 +392,7 @@ def complete(plan: Plan, store: TokenStore, runs: list[dict], regenerated) -> di
         "skipped": counts["skipped"],
         "skipped_long": counts["skipped_long"],
         "regenerated": regenerated,
-        "source_row_ranges": store.source_row_ranges(),  # dataset row i is the i-th source row these cover
+        "source_row_ranges": rows.source_row_ranges(),  # dataset row i is the i-th source row these cover
         "data": {"path": str(cfg.data), "sha256": plan.identity["data_sha256"], "format": cfg.data_format},
         "tensor_parallel_size": cfg.tp,
         "pipeline_parallel_size": cfg.pp,
@@ -408,20 +412,52 @@ def complete(plan: Plan, store: TokenStore, runs: list[dict], regenerated) -> di
         "versions": _versions(),
     }
     try:
-        _write_skip_report(output, store, counts["skipped"])
-        for folder in [*output.glob(f"{STORE}*"), output / PARTS_DIR]:  # the dataset files hold the tokens now
+        _write_skip_report(output, rows, counts["skipped"])
+        for folder in [*output.glob(f"{STORE}*"), output / PARTS_DIR, output / shards.ROWS_DIR]:  # all in place now
             shutil.rmtree(folder, ignore_errors=True)  # (before the manifest: a complete output holds no store)
         write_manifest(output, manifest)
     except OSError as exc:
         raise ExtractError(f"writing the manifest in {output}: {exc.strerror or exc}; rerun to finish") from None
-    (output / shards.COMPLETING).unlink(missing_ok=True)
+    shards.release_completion(output)
     return manifest
 
 
-def _write_skip_report(output: Path, store: TokenStore, skipped: int) -> None:
+def _name_by_index(output: Path, rows: DatasetRows, legacy: bool, num_shards: int | None) -> None:
+    """Every row's file under its dataset index: the shards' files, named by source row, are renamed (in
+    threads: on a network filesystem a rename is a round trip).  A completion cut midway is redone: a file
+    already renamed is found under its index."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder = output / shards.ROWS_DIR
+    by_row, by_index = completed_rows(folder, legacy), completed_rows(output, legacy)
+    source = rows.source_rows.tolist()
+    missing = [i for i, r in enumerate(source) if r not in by_row and i not in by_index]
+    if missing:
+        row = source[missing[0]]
+        fix = f"rerun shard {row % num_shards}/{num_shards}" if num_shards else "rerun to finish"
+        raise ExtractError(
+            f"{len(missing)} rows have no hidden-state file (first: row {missing[0]}, source row {row}); {fix}"
+        )
+    moves = [(r, i) for i, r in enumerate(source) if r in by_row]
+    if not moves:
+        return
+
+    def move(pair: tuple[int, int]) -> None:
+        os.replace(hidden_state_path(folder, pair[0], legacy), hidden_state_path(output, pair[1], legacy))
+
+    (output / HIDDEN_DIR).mkdir(exist_ok=True)
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(move, moves))
+        fsync(output if legacy else output / HIDDEN_DIR)  # the new names on the disk before the manifest
+    except OSError as exc:
+        raise ExtractError(f"renaming the shards' row files in {output}: {exc.strerror or exc}; rerun to finish") from None
+
+
+def _write_skip_report(output: Path, rows: DatasetRows, skipped: int) -> None:
     def save(tmp: Path) -> None:
         with open(tmp, "w") as f:
-            for row, why in store.skipped():
+            for row, why in rows.skipped():
                 f.write(json.dumps({"row": row, "reason": why}) + "\n")
 
     if skipped:
@@ -439,7 +475,21 @@ def complete_shard(plan: Plan, store: TokenStore, summary: dict, log) -> dict:
         waiting = sorted(set(range(num)) - set(runs))
         log(f"shard {plan.cfg.shard} done; waiting for shard(s) {', '.join(f'{k}/{num}' for k in waiting) or 'none'}")
         return {**summary, "complete": False, "waiting_for": waiting}
-    return complete(plan, store, [runs[k] for k in range(num)], None)
+    log(f"shard {plan.cfg.shard} done, and the last: completing the dataset")
+    return complete(plan, _shard_stores(output, num), [runs[k] for k in range(num)], None)
+
+
+def _shard_stores(output: Path, num: int) -> list[TokenStore]:
+    """Every shard's token store, each holding its rows to the end (they make the dataset together)."""
+    stores = [TokenStore(output / store_name((k, num)), change=False) for k in range(num)]
+    cut = [k for k, store in enumerate(stores) if not store.ended]
+    if cut:
+        shards.release_completion(output)
+        raise ExtractError(
+            f"{output}: shard {cut[0]}/{num}'s token store is not whole, so the dataset files cannot be written; "
+            f"rerun that shard's command (--shard {cut[0]}/{num}): it finds its rows written and completes the output"
+        )
+    return stores
 
 
 def merge(output: Path) -> dict:
@@ -465,16 +515,10 @@ def _merge(output: Path) -> dict:
             f"shard(s) {names} of {output} have not finished; run them (--shard {missing[0]}/{num}), then merge again"
         )
     plan = make_plan(ExtractConfig.from_options(**{**summary["config"], "output": output}))
-    folders = [output / store_name((k, num)) for k in range(num)]
-    whole = next((f for f in folders if TokenStore(f, change=False).ended), None)  # every shard's holds every row
-    if whole is None:
-        raise ExtractError(
-            f"{output}: no shard left its token store whole, so the dataset files cannot be written; "
-            f"rerun one shard's command (--shard 0/{num}): it finds its rows written and completes the output"
-        )
-    (output / shards.COMPLETING).unlink(missing_ok=True)  # an earlier completer that died left its lock
+    shards.release_completion(output)  # an earlier completer that died left its lock
+    stores = _shard_stores(output, num)
     shards.claim_completion(output)
-    return complete(plan, TokenStore(whole), [runs[k] for k in range(num)], None)
+    return complete(plan, stores, [runs[k] for k in range(num)], None)
 
 
 def reopen(output: Path, rows: list[int]) -> ExtractConfig:

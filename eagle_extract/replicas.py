@@ -39,7 +39,7 @@ from .output import (
 from .plan import make_plan
 from .run import run
 from .runlog import progress
-from .shards import SHARDS_DIR
+from .shards import ROWS_DIR, SHARDS_DIR
 from .stream import expected_rows, first_chunks, first_counts
 from .writer import MANIFEST, completed_rows, read_manifest
 
@@ -118,7 +118,7 @@ def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log, lock_
         log(f"{dp} replicas started ({', '.join(str(p.pid) for p in procs)}); logs in {output / SHARDS_DIR}")
         with progress(total, f"extract x{dp}", "row") as bar:
             while True:
-                bar.update(len(completed_rows(output, cfg.legacy)) - bar.n)
+                bar.update(max(0, len(completed_rows(output / ROWS_DIR, cfg.legacy)) - bar.n))  # 0 once renamed
                 failed = [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]
                 if failed:
                     k = failed[0]

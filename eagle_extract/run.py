@@ -17,7 +17,7 @@ from .config import ExtractConfig
 from .data import read_records
 from .engine import start_engine
 from .errors import ExtractError, engine_errors
-from .formats import BadRow, read_rows
+from .formats import BadRow
 from .hostmem import default_budget
 from .plan import Plan, make_plan
 from .runlog import RunLog, progress
@@ -39,8 +39,9 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         kept = None if cfg.overwrite else TokenStore(output / store_name(plan.shard), change=False)
         vouched = (output / out.run_file(plan.shard)).exists()  # else prepare_output starts the store over
         resuming = kept is not None and bool(kept.chunks) and vouched  # its rows are not tokenized again
-        source, first = None, [] if resuming else stream.first_chunks(plan, read_rows(cfg.data))
-        sized = _sized(plan, first, set() if cfg.overwrite else completed_rows(output, cfg.legacy), kept)
+        source, first = None, [] if resuming else stream.first_chunks(plan, stream.job_rows(cfg, plan.shard))
+        done = set() if cfg.overwrite else completed_rows(shards.rows_folder(output, plan.shard), cfg.legacy)
+        sized = _sized(plan, first, done, kept)
     with out.claimed(output, plan.shard):
         manifest = out.identical_complete(output, plan.identity, cfg.overwrite)
         if manifest:
@@ -69,13 +70,15 @@ def _sized(plan: Plan, first: list[list], done: set[int], kept: TokenStore | Non
     first chunks (or the rows a kept store holds) and the source's row count; refused when they cannot fit the
     disk."""
     cfg = plan.cfg
-    read, usable, tokens, ended = (
-        stream.first_counts(first) if first else (kept.read, kept.usable, kept.tokens, kept.ended)
-    )
-    expected = stream.expected_rows(cfg, read, usable, ended)
+    if first:
+        read, usable, tokens, ended = stream.first_counts(first)
+        per_row = tokens / max(usable, 1)
+    else:  # the kept store's: its own rows' tokens, and every row it read (for --max-samples: others' too)
+        read, usable, ended, per_row = kept.read, kept.seen, kept.ended, kept.tokens / max(kept.usable, 1)
+    expected = stream.expected_rows(cfg, read, usable, ended, plan.shard)
     share = 1 / plan.shard[1] if plan.shard else 1  # shards write at about one pace: done rows are theirs alike
     todo_rows = max(0.0, (expected - len(done)) * share)
-    todo_tokens = round(todo_rows * tokens / max(usable, 1))
+    todo_tokens = round(todo_rows * per_row)
     expected_bytes, free = preflight.check_disk(cfg, todo_tokens, plan.bytes_per_token())
     return expected, todo_tokens, expected_bytes, free
 
@@ -118,7 +121,8 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
         processes = cfg.tokenize_processes
         if processes is None:
             processes = stream.default_processes(0 if rows is not None else source_bytes(Path(cfg.data)), cfg.dp)
-        tokenizing = stream.Tokenizing(store, rows if rows is not None else read_rows(cfg.data), plan, processes, first)
+        rows = rows if rows is not None else stream.job_rows(cfg, plan.shard)
+        tokenizing = stream.Tokenizing(store, rows, plan, processes, first)
         tokenizing.start()
         if done:
             log("checking the row files an interrupted run wrote")
@@ -169,7 +173,7 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
         "capture": stats,
     }
     if plan.shard is None:
-        manifest = out.complete(plan, store, [this_run], regenerated)
+        manifest = out.complete(plan, [store], [this_run], regenerated)
         out.finish_run(output, None)
         return manifest
     summary = {"shard": cfg.shard, "identity": plan.identity, "config": cfg.record(), **this_run}
@@ -189,28 +193,33 @@ def _wait_for_stream(store: TokenStore, log) -> None:
         bar.update(store.read - bar.n)
 
 
+def _keys(plan: Plan, store: TokenStore, chunk) -> list[int] | range:
+    """The numbers `chunk`'s row files are named by: dataset indices, or (a shard's) source rows."""
+    return store.meta(chunk.number)["rows"] if plan.shard else range(chunk.first, chunk.first + chunk.usable)
+
+
 def _check_kept(plan: Plan, store: TokenStore, done: set[int]) -> tuple[int, set[int], int]:
-    """(this job's kept rows, those of them whose file is damaged, deleted to be written again, and the
-    dataset index up to which they were checked) among the rows the store holds now; a kept row past it
-    (the store was deleted at completion, before a repair) is checked when the stream reaches it."""
+    """(this job's kept rows, those of them whose file is damaged, deleted to be written again, and how many
+    of the store's chunks were checked) among the rows the store holds now; a kept row past them (the store
+    was deleted at completion, before a repair) is checked when the stream reaches it."""
     kept, damaged, chunks = 0, set(), list(store.chunks)
     for chunk in chunks:
-        indices = range(chunk.first, chunk.first + chunk.usable)
-        if done.isdisjoint(indices):
+        keys = _keys(plan, store, chunk)
+        if done.isdisjoint(keys):
             continue
-        for index, row, n in zip(indices, store.meta(chunk.number)["rows"], store.seq_lens(chunk)):
-            if index in done and shards.owns(plan.shard, row):
-                if _damaged(plan, index, n):
-                    damaged.add(index)
+        for key, n in zip(keys, store.seq_lens(chunk)):
+            if key in done:
+                if _damaged(plan, key, n):
+                    damaged.add(key)
                 else:
                     kept += 1
-    return kept, damaged, chunks[-1].first + chunks[-1].usable if chunks else 0
+    return kept, damaged, len(chunks)
 
 
-def _damaged(plan: Plan, index: int, tokens: int) -> bool:
-    """Whether row `index`'s kept file is not whole (a power cut can leave a final name on a torn or empty
+def _damaged(plan: Plan, key: int, tokens: int) -> bool:
+    """Whether the kept file of row `key` is not whole (a power cut can leave a final name on a torn or empty
     file); deleted, to be written again."""
-    path = hidden_state_path(Path(plan.cfg.output), index, plan.cfg.legacy)
+    path = hidden_state_path(shards.rows_folder(plan.cfg.output, plan.shard), key, plan.cfg.legacy)
     if out.kept_file_problem(path, tokens, len(plan.slot_ids), plan.shape.hidden_size, plan.cfg.legacy):
         path.unlink(missing_ok=True)
         return True
@@ -236,17 +245,16 @@ def _todo(plan: Plan, store: TokenStore, done: set[int], checked: int, watch: En
         if chunk is None:  # the stream ended before chunk `number` (wait() looks again once it ended)
             break
         number += 1
-        if chunk.first + chunk.usable <= checked and done.issuperset(range(chunk.first, chunk.first + chunk.usable)):
+        if chunk.number < checked and done.issuperset(_keys(plan, store, chunk)):
             continue  # written before, and checked: not read again
         for index, row, ids, mask in store.rows(chunk):
-            if not shards.owns(plan.shard, row):
+            key = row if plan.shard else index
+            if key in done and chunk.number < checked:
                 continue
-            if index in done and index >= checked and not _damaged(plan, index, len(ids)):
+            if key in done and not _damaged(plan, key, len(ids)):
                 tally["kept"] += 1
                 continue
-            if index in done and index < checked:
-                continue
-            batch.append((index, ids, mask))
+            batch.append((key, ids, mask))
             if len(batch) == plan.cfg.batch_size:
                 yield batch
                 batch = []
@@ -312,10 +320,10 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
     kept = tally["kept"]
     from vllm import SamplingParams, TokensPrompt
 
-    cfg = plan.cfg
+    cfg, folder = plan.cfg, shards.rows_folder(plan.cfg.output, plan.shard)
     # --host-memory is this job's on this machine: its pipeline stages' writing ranks share it
     host_memory = (int(cfg.host_memory * 2**30) if cfg.host_memory else default_budget()) // cfg.pp
-    args = (str(cfg.output), plan.aux_ids, cfg.decoder_path, cfg.fp8, cfg.legacy, cfg.writer_threads, host_memory)
+    args = (str(folder), plan.aux_ids, cfg.decoder_path, cfg.fp8, cfg.legacy, cfg.writer_threads, host_memory)
     installed = llm.collective_rpc("eagle_install", args=args)
     writers = [w for w in installed if w["writes"]]  # in rank order, as eagle_drain reports them
     try:
@@ -325,7 +333,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
     joiner, masks = None, None
     if any(w["part"] for w in writers):  # pipeline stages: join their part files into rows
         masks = {} if cfg.legacy else None  # the legacy rows' loss masks, each until its row is joined
-        joiner = PartJoiner(Path(cfg.output), writers, cfg.fp8, masks)
+        joiner = PartJoiner(folder, writers, cfg.fp8, masks)
 
     def record(report: dict, last: bool = False) -> None:
         if joiner is None:
@@ -339,7 +347,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
             raise ExtractError(f"joining the pipeline stages' files: {why}") from None
 
     def check_dtype(index: int) -> None:
-        kept_as = out.kept_dtype(Path(cfg.output), index) if not (cfg.fp8 or cfg.legacy) else None
+        kept_as = out.kept_dtype(folder, index) if not (cfg.fp8 or cfg.legacy) else None
         if kept_as and kept_as != writers[0]["dtype"]:
             raise ExtractError(
                 f"the engine runs in {writers[0]['dtype']}, but the {len(done)} rows already written are {kept_as}; "

@@ -1,10 +1,11 @@
 """Several jobs writing one output folder: machines, scheduler array tasks, or `--dp` replicas.
 
-Shard k of N takes the samples whose source row number is k modulo N and writes their
-`hidden_states/hs_{i}` files under the index an unsharded run would give them, so nothing
-clashes and N shards equal one run file for file.  A finished shard leaves
-`shards/{k}-of-{N}.json`; whoever finds all N there first completes the dataset files,
-under a lock file so that only one does.
+Shard k of N takes the rows whose source row number is k modulo N, and reads and tokenizes only
+those (with --max-samples, every row up to the cut, to count them).  Since a row's dataset index
+depends on how many rows before it are usable, which no shard knows, a shard names each row's file
+by its source row, in `.eagle_extract_rows/`; at completion every file is renamed to its dataset
+index, so N shards equal one run file for file.  A finished shard leaves `shards/{k}-of-{N}.json`;
+whoever finds all N there first completes the dataset, under a lock file so that only one does.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .atomic import write_json
 from .errors import ExtractError
 
 SHARDS_DIR = "shards"
+ROWS_DIR = ".eagle_extract_rows"  # the shards' row files, each named by its source row until completion
 COMPLETING = ".completing"  # lock: one job writes the dataset files
 _SPEC = re.compile(r"^(\d+)/(\d+)$")
 
@@ -38,6 +40,12 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
 
 def shard_name(shard: tuple[int, int]) -> str:
     return f"{shard[0]}-of-{shard[1]}"
+
+
+def rows_folder(output: Path, shard: tuple[int, int] | None) -> Path:
+    """Where a job writes its row files (`hidden_states/`, or legacy `data_*.pt`): the output itself unless
+    sharded."""
+    return Path(output) if shard is None else Path(output) / ROWS_DIR
 
 
 def owns(shard: tuple[int, int] | None, source_row: int) -> bool:
@@ -73,3 +81,7 @@ def claim_completion(output: Path) -> bool:
         return True
     except FileExistsError:
         return False
+
+
+def release_completion(output: Path) -> None:
+    (Path(output) / COMPLETING).unlink(missing_ok=True)

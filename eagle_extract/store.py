@@ -6,11 +6,13 @@ tokenizes a row twice.  Chunk n is two files:
 
     chunk_{n:08d}.arrow   the chunk's usable rows (input_ids, loss_mask, seq_len), an Arrow stream
                           in the dataset's own schema, so completion maps the chunks without copying
-    chunk_{n:08d}.json    written after it, and what makes the chunk count: how many source rows
-                          the stream had read after it, whether it ended there, the usable rows'
-                          source row numbers, which were truncated, and the skipped rows with why
+    chunk_{n:08d}.json    written after it, and what makes the chunk count: how many rows the
+                          stream had read after it and how many of them were usable, whether it
+                          ended there, the usable rows' source row numbers, how many were
+                          truncated, and the skipped rows with why
 
-Both are written whole or not at all (fsynced, then renamed).
+Both are written whole or not at all (fsynced, then renamed).  A shard's store holds its own rows
+only (`stream.py`); `DatasetRows` merges the shards' stores in source row order at completion.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class Chunk:
     number: int
     first: int  # dataset index of its first usable row
     usable: int
-    read: int  # source rows the stream had read after it
+    read: int  # rows the stream had read after it
+    seen: int  # usable rows among them, this shard's or not (--max-samples counts them all)
     tokens: int
     last: bool
 
@@ -60,6 +63,8 @@ class TokenStore:
             if int(marker.stem[6:]) != len(self.chunks) or not marker.with_suffix(".arrow").is_file():
                 break  # a chunk is only ever written after the one before it
             meta = json.loads(marker.read_text())
+            if "seen" not in meta and self.folder.name != STORE:  # a shard's from before shards kept their own
+                break  # rows only: it holds every row, so it is started over
             self.chunks.append(self._chunk(len(self.chunks), meta))
         if change:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -72,8 +77,9 @@ class TokenStore:
         self._changed = threading.Condition()
 
     def _chunk(self, number: int, meta: dict) -> Chunk:
-        first = self.usable
-        return Chunk(number, first, len(meta["rows"]), meta["read"], meta["tokens"], meta["last"])
+        first, usable = self.usable, len(meta["rows"])
+        seen = meta.get("seen", first + usable)  # written before the field was: every row is kept
+        return Chunk(number, first, usable, meta["read"], seen, meta["tokens"], meta["last"])
 
     @property
     def usable(self) -> int:
@@ -82,6 +88,10 @@ class TokenStore:
     @property
     def read(self) -> int:
         return self.chunks[-1].read if self.chunks else 0
+
+    @property
+    def seen(self) -> int:
+        return self.chunks[-1].seen if self.chunks else 0
 
     @property
     def tokens(self) -> int:
@@ -94,8 +104,9 @@ class TokenStore:
     def path(self, number: int, suffix: str) -> Path:
         return self.folder / f"chunk_{number:08d}.{suffix}"
 
-    def append(self, got: list[Sample | Skipped], read: int, last: bool) -> None:
-        """One chunk: the results for the source rows read since the last one, in source order."""
+    def append(self, got: list[Sample | Skipped], read: int, last: bool, seen: int | None = None) -> None:
+        """One chunk: the results for the rows read since the last one that the store keeps, in source
+        order; `seen` counts the usable rows read so far, kept or not (by default, those kept)."""
         import pyarrow as pa
 
         samples = [s for s in got if isinstance(s, Sample)]
@@ -114,6 +125,7 @@ class TokenStore:
 
         meta = {
             "read": read,
+            "seen": self.usable + len(samples) if seen is None else seen,
             "last": last,
             "tokens": sum(len(s.input_ids) for s in samples),
             "loss_tokens": sum(sum(s.loss_mask) for s in samples),
@@ -166,44 +178,72 @@ class TokenStore:
     def seq_lens(self, chunk: Chunk) -> list[int]:
         return self.table(chunk.number).column("seq_len").to_pylist()
 
-    def counts(self) -> dict:
-        """The stream's counts: rows read, usable, truncated, skipped (over-long among them), tokens."""
-        metas = [self.meta(c.number) for c in self.chunks]
-        return {
-            "rows": self.read,
-            "samples": self.usable,
-            "tokens": self.tokens,
-            "loss_tokens": sum(m["loss_tokens"] for m in metas),
-            "truncated": sum(m["truncated"] for m in metas),
-            "skipped": sum(len(m["skipped"]) for m in metas),
-            "skipped_long": sum(1 for m in metas for s in m["skipped"] if s[2]),
-        }
+
+
+class DatasetRows:
+    """The dataset's rows, from one run's store or from every shard's, merged in source row order: a row's
+    dataset index is its place in that order.  What is read whole is one source row number per row."""
+
+    def __init__(self, stores: list[TokenStore]) -> None:
+        import numpy as np
+
+        self.stores = stores
+        rows, self.counts = [], dict.fromkeys(("tokens", "loss_tokens", "truncated", "skipped", "skipped_long"), 0)
+        for store in stores:
+            for chunk in store.chunks:
+                meta = store.meta(chunk.number)
+                rows.append(np.asarray(meta["rows"], np.int64))
+                for key in ("tokens", "loss_tokens", "truncated"):
+                    self.counts[key] += meta[key]
+                self.counts["skipped"] += len(meta["skipped"])
+                self.counts["skipped_long"] += sum(1 for s in meta["skipped"] if s[2])
+        rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        self.counts["samples"] = len(rows)
+        # the dataset index of the k-th row the stores hold, one after the other; None: the same order
+        self.order = None if (np.diff(rows) > 0).all() else np.argsort(rows, kind="stable")
+        self.source_rows = rows if self.order is None else rows[self.order]
 
     def skipped(self):
-        for chunk in self.chunks:
-            for row, reason, _ in self.meta(chunk.number)["skipped"]:
-                yield row, reason
+        """(source row, why) for every skipped row, in source order."""
+        import heapq
+
+        def of(store: TokenStore):
+            for chunk in store.chunks:
+                for row, reason, _ in store.meta(chunk.number)["skipped"]:
+                    yield row, reason
+
+        return heapq.merge(*map(of, self.stores))
 
     def source_row_ranges(self) -> list[list[int]]:
         """The usable rows' source row numbers as [first, last + 1] runs: short unless many rows were skipped."""
-        ranges: list[list[int]] = []
-        for chunk in self.chunks:
-            for row in self.meta(chunk.number)["rows"]:
-                if ranges and ranges[-1][1] == row:
-                    ranges[-1][1] = row + 1
-                else:
-                    ranges.append([row, row + 1])
-        return ranges
+        import numpy as np
+
+        rows = self.source_rows
+        starts = np.flatnonzero(np.diff(rows, prepend=-2) != 1)
+        ends = np.append(starts[1:], len(rows))
+        return [[int(rows[a]), int(rows[b - 1]) + 1] for a, b in zip(starts, ends)]
+
+    def dataset(self):
+        """Every usable row as one `datasets.Dataset`, in dataset order, mapped from the chunk files."""
+        import datasets
+
+        info = datasets.DatasetInfo(features=datasets.Features.from_arrow_schema(_schema()))
+        parts = [
+            datasets.Dataset.from_file(str(store.path(c.number, "arrow")), info=info)
+            for store in self.stores
+            for c in store.chunks
+        ]
+        rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+        return rows if self.order is None else rows.select(self.order)
 
     def token_freq(self) -> dict[int, int]:
         """{token id: count} over loss-mask tokens, in the order each id first occurs (as a Counter fed row
-        by row has it), one chunk in memory at a time."""
+        by row has it), a batch of rows in memory at a time."""
         import numpy as np
 
         counts, first = np.zeros(0, np.int64), np.zeros(0, np.int64)
         seen = 0
-        for chunk in self.chunks:
-            table = self.table(chunk.number)
+        for table in self.dataset().with_format("arrow").iter(batch_size=4096):
             ids = table.column("input_ids").combine_chunks().flatten().to_numpy()
             mask = table.column("loss_mask").combine_chunks().flatten().to_numpy()
             ids = ids[mask != 0]
@@ -220,11 +260,3 @@ class TokenStore:
         present = np.flatnonzero(counts)
         order = present[np.argsort(first[present], kind="stable")]
         return {int(t): int(counts[t]) for t in order}
-
-    def dataset(self):
-        """Every usable row as one `datasets.Dataset`, mapped from the chunk files (nothing copied)."""
-        import datasets
-
-        info = datasets.DatasetInfo(features=datasets.Features.from_arrow_schema(_schema()))
-        parts = [datasets.Dataset.from_file(str(self.path(c.number, "arrow")), info=info) for c in self.chunks]
-        return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]

@@ -4,7 +4,8 @@ A background thread reads the rows and hands chunks of them to worker processes 
 rendering is pure Python, so threads would share one core), keeping a few chunks in flight, and
 appends each chunk's result to the store in order.  The engine starts once the first chunk is
 there, and reads the store while the rest is tokenized.  A resumed run continues after the rows
-its store already holds.
+its store already holds.  A shard tokenizes its own rows only, unless --max-samples needs every row
+counted up to its cut; either way its store keeps only its own.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from collections import deque
 
 from .data import LoadReport, Sample, Skipped, no_usable_rows, sample_from
 from .errors import ExtractError
-from .formats import BadRow, Record, count_rows, to_record
+from .formats import BadRow, Record, count_rows, read_rows, to_record
 from .preflight import check_context
+from .shards import owns
 from .store import TokenStore
 
 CHUNK_ROWS = 512  # source rows per chunk: one worker task, one store chunk
@@ -66,6 +68,18 @@ def settings(cfg, need_assistant: bool) -> tuple:
     return cfg.seq_length, options, cfg.data_format, need_assistant
 
 
+def own_rows_only(cfg, shard: tuple[int, int] | None) -> bool:
+    """Whether this job reads only its own rows: a shard without --max-samples (which rows make the first
+    N usable ones depends on every row before them)."""
+    return shard is not None and cfg.max_samples is None
+
+
+def job_rows(cfg, shard: tuple[int, int] | None):
+    """(source row number, parsed row) for the rows this job tokenizes."""
+    rows = read_rows(cfg.data)
+    return ((n, row) for n, row in rows if owns(shard, n)) if own_rows_only(cfg, shard) else rows
+
+
 def first_chunks(plan, rows) -> list[list]:
     """The first chunks of `rows`, tokenized here before anything is created, up to the first that holds a
     usable row: their errors come before the engine starts, and their sizes make the disk estimate."""
@@ -81,16 +95,17 @@ def first_chunks(plan, rows) -> list[list]:
 
 
 def first_counts(first: list[list]) -> tuple[int, int, int, bool]:
-    """(rows read, usable rows, their tokens, whether the source ended) of the first chunks."""
+    """(rows read, usable rows, their tokens, whether the rows ended) of the first chunks."""
     got = [s for chunk in first for s in chunk]
     samples = [s for s in got if isinstance(s, Sample)]
     return len(got), len(samples), sum(len(s.input_ids) for s in samples), len(got) < CHUNK_ROWS * len(first)
 
 
-def expected_rows(cfg, read: int, usable: int, ended: bool) -> int:
-    """About how many samples the dataset will hold, `usable` of the first `read` rows being usable: the
-    source's rows (counted without parsing them) times that share, at most --max-samples."""
-    expected = usable if ended else round(max(count_rows(cfg.data), read) * usable / max(read, 1))
+def expected_rows(cfg, read: int, usable: int, ended: bool, shard: tuple[int, int] | None = None) -> int:
+    """About how many samples the dataset will hold, `usable` of the first `read` rows this job read being
+    usable: the source's rows (counted without parsing them) times that share, at most --max-samples."""
+    whole = ended and not own_rows_only(cfg, shard)  # every row was read: `usable` is the count
+    expected = usable if whole else round(max(count_rows(cfg.data), read) * usable / max(read, 1))
     return min(expected, cfg.max_samples or expected)
 
 
@@ -105,6 +120,7 @@ class Tokenizing:
 
     def __init__(self, store: TokenStore, rows, plan, processes: int, first: list, need_assistant: bool = True):
         self.store, self.cfg, self.shape, self.processes = store, plan.cfg, plan.shape, processes
+        self.shard = plan.shard
         self.tokenizer, self.settings = plan.tokenizer, settings(plan.cfg, need_assistant)
         self.first = [] if store.chunks else first  # chunks tokenized before the store existed
         self.kept = store.read  # rows an interrupted run tokenized: not tokenized again
@@ -182,13 +198,13 @@ class Tokenizing:
                     future.cancel()
 
     def _append(self, got: list) -> bool:
-        """Append one chunk's results (one per source row); True when --max-samples ends the stream here."""
+        """Append one chunk's results (one per row read), this job's own; True when --max-samples ends the
+        stream here."""
         store, cap = self.store, self.cfg.max_samples
-        if cap is not None:
-            usable = [k for k, s in enumerate(got) if isinstance(s, Sample)]
-            if store.usable + len(usable) >= cap:
-                cut = usable[cap - store.usable - 1] + 1
-                store.append(got[:cut], store.read + cut, last=True)
-                return True
-        store.append(got, store.read + len(got), last=False)
-        return False
+        usable = [k for k, s in enumerate(got) if isinstance(s, Sample)]
+        end, last = len(got), False
+        if cap is not None and store.seen + len(usable) >= cap:
+            end, last = usable[cap - store.seen - 1] + 1, True
+        own = [s for s in got[:end] if owns(self.shard, s.row)]
+        store.append(own, store.read + end, last, seen=store.seen + sum(k < end for k in usable))
+        return last

@@ -1,7 +1,7 @@
 """The token store written by the background stream, against the one-thread, in-memory tokenization
 (`load_samples`) of the same rows, with the real SmolLM2 tokenizer: bad rows, `--long-samples skip`,
-`--max-samples`, worker processes, and a store cut short by a killed run, which a rerun continues
-without tokenizing again what it kept."""
+`--max-samples`, worker processes, shards' stores merged, and a store cut short by a killed run,
+which a rerun continues without tokenizing again what it kept."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from eagle_extract.data import load_samples
 from eagle_extract.errors import ExtractError
 from eagle_extract.formats import read_rows
 from eagle_extract.plan import make_plan
-from eagle_extract.store import TokenStore
+from eagle_extract.shards import owns
+from eagle_extract.store import DatasetRows, TokenStore
 from eagle_extract.writer import token_frequencies, write_dataset
 
 ROWS = 1300  # common.write_stream_rows: three chunks of stream.CHUNK_ROWS, the last one partly filled
@@ -34,8 +35,9 @@ def _plan(tmp_path, data, **options):
 
 
 def _stream(plan, store, processes, first=None):
-    first = stream.first_chunks(plan, read_rows(plan.cfg.data)) if first is None else first
-    tokenizing = stream.Tokenizing(store, read_rows(plan.cfg.data), plan, processes, first).start()
+    rows = lambda: stream.job_rows(plan.cfg, plan.shard)  # noqa: E731
+    first = stream.first_chunks(plan, rows()) if first is None else first
+    tokenizing = stream.Tokenizing(store, rows(), plan, processes, first).start()
     while store.wait(len(store.chunks)) is not None:
         pass
     tokenizing.stop()
@@ -50,12 +52,13 @@ def _assert_same_as_in_memory(store, plan):
     rows = [r for chunk in store.chunks for r in store.rows(chunk)]
     assert [index for index, *_ in rows] == list(range(len(samples)))
     assert [(row, ids, mask) for _, row, ids, mask in rows] == [(s.row, s.input_ids, s.loss_mask) for s in samples]
-    counts = store.counts()
-    assert (counts["rows"], counts["samples"], counts["truncated"]) == (report.rows, len(samples), report.truncated)
+    merged = DatasetRows([store])
+    counts = merged.counts
+    assert (store.read, counts["samples"], counts["truncated"]) == (report.rows, len(samples), report.truncated)
     assert (counts["skipped"], counts["skipped_long"]) == (len(report.skipped), report.skipped_long)
-    assert list(store.skipped()) == report.skipped
+    assert list(merged.skipped()) == report.skipped
     freq = token_frequencies([s.input_ids for s in samples], [s.loss_mask for s in samples])
-    assert list(store.token_freq().items()) == list(freq.items())  # the order a Counter gives too
+    assert list(merged.token_freq().items()) == list(freq.items())  # the order a Counter gives too
     return samples, report
 
 
@@ -68,7 +71,7 @@ def test_two_worker_processes_store_what_one_thread_in_memory_makes(tmp_path, ro
     assert len(store.chunks) >= 2 and store.ended
 
     (tmp_path / "ds").mkdir()
-    write_dataset(tmp_path / "ds", store.dataset(), store.token_freq())  # as completion writes it
+    write_dataset(tmp_path / "ds", DatasetRows([store]).dataset(), DatasetRows([store]).token_freq())  # as completion
     from datasets import load_from_disk
 
     written = load_from_disk(str(tmp_path / "ds"))
@@ -77,6 +80,38 @@ def test_two_worker_processes_store_what_one_thread_in_memory_makes(tmp_path, ro
         assert torch.equal(written[i]["input_ids"], torch.tensor(samples[i].input_ids))
         assert torch.equal(written[i]["loss_mask"], torch.tensor(samples[i].loss_mask))
         assert int(written[i]["seq_len"]) == len(samples[i].input_ids)
+
+
+@pytest.mark.parametrize("cap", [None, 600])
+def test_shards_stores_hold_their_own_rows_and_merge_into_one_runs(tmp_path, rows_file, monkeypatch, cap):
+    """Three shards' stores, merged in source row order, against one run's: rows, counts, skipped rows, ranges
+    and token frequencies (in first-occurrence order).  Without --max-samples a shard tokenizes only its own
+    rows; with it, every row up to the cut, keeping its own."""
+    options = {"long_samples": "skip", "max_samples": cap}
+    whole = _stream(_plan(tmp_path, rows_file, **options), TokenStore(tmp_path / "whole"), 0)
+    seen = []
+    real = stream.tokenize_rows
+    monkeypatch.setattr(
+        stream, "tokenize_rows", lambda tok, rows, *a: seen.extend(n for n, _ in rows) or real(tok, rows, *a)
+    )
+    parts = []
+    for k in range(3):
+        seen.clear()
+        plan = _plan(tmp_path, rows_file, shard=f"{k}/3", **options)
+        parts.append(_stream(plan, TokenStore(tmp_path / f"store.{k}-of-3"), 0))
+        kept = [row for c in parts[-1].chunks for _, row, _, _ in parts[-1].rows(c)]
+        assert kept and all(owns((k, 3), r) for r in kept + [r for r, _ in DatasetRows([parts[-1]]).skipped()])
+        if cap is None:
+            assert seen == [r for r in range(ROWS) if owns((k, 3), r)]
+        else:  # every row, chunk by chunk, up to the cut: the 600th usable row, the same for every shard
+            assert seen == list(range(len(seen))) and len(seen) >= whole.read == parts[-1].read
+    one, merged = DatasetRows([whole]), DatasetRows(parts)
+    assert merged.order is not None and merged.counts == one.counts and one.counts["samples"] == (cap or whole.usable)
+    assert merged.source_rows.tolist() == one.source_rows.tolist()
+    assert list(merged.skipped()) == list(one.skipped()) and merged.source_row_ranges() == one.source_row_ranges()
+    assert list(merged.token_freq().items()) == list(one.token_freq().items())
+    a, b = merged.dataset().with_format(None), one.dataset().with_format(None)
+    assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"] and a["seq_len"] == b["seq_len"]
 
 
 def test_a_rerun_continues_a_cut_store_without_tokenizing_its_rows_again(tmp_path, rows_file, monkeypatch):
