@@ -38,13 +38,39 @@ def test_shard_spec():
     assert [r for r in range(7) if owns((1, 3), r)] == [1, 4]
 
 
+def _cut_shard(out, shard: str) -> tuple[int, list[str]]:
+    """Make a finished shard's record what a killed run leaves: its run file instead of its summary, its
+    token store without its last chunk, and two row files gone (one of a kept chunk, one of the cut one).
+    Returns the source rows the cut chunk read and the row files removed."""
+    summary = out / "shards" / f"{shard}.json"
+    (out / f".eagle_extract_run.{shard}.json").write_text(json.dumps(json.loads(summary.read_text())["identity"]))
+    summary.unlink()
+    store = out / f".eagle_extract_tokens.{shard}"
+    markers = sorted(store.glob("chunk_*.json"))
+    last, before = (json.loads(m.read_text()) for m in markers[-1:-3:-1])
+    for suffix in ("json", "arrow"):
+        markers[-1].with_suffix(f".{suffix}").unlink()
+    gone = [f"hs_{before['rows'][0]}.safetensors", f"hs_{last['rows'][-1]}.safetensors"]
+    for name in gone:
+        (out / ".eagle_extract_rows" / "hidden_states" / name).unlink()
+    return last["read"] - before["read"], gone
+
+
 def test_two_shards_run_separately_equal_one_run(tmp_path, tiny_llama, stream_rows, streamed_out):
-    """On the streamed run's rows (two chunks, bad rows, skipped long rows, --max-samples): each shard
-    tokenizes every row but writes only its own."""
+    """On the streamed run's rows (two chunks, bad rows, skipped long rows, --max-samples, so each shard
+    tokenizes every row up to the cut and keeps its own): shard 0 is cut and resumed, without tokenizing
+    again what its store kept, and rewrites the row files it lost."""
     out = tmp_path / "sharded"
     args = ["--model", str(tiny_llama), "--data", str(stream_rows), "--output", str(out), *STREAM_ARGS]
     first = run_cli(*args, "--shard", "0/2")
     assert "shard 0/2 done" in first.stdout and not (out / "eagle_extract.json").exists()
+    assert not (out / "hidden_states").exists()  # a shard's rows are named by source row until completion
+    cut_rows, gone = _cut_shard(out, "0-of-2")
+    resumed = run_cli(*args, "--shard", "0/2")
+    assert "resuming" in resumed.stdout and "1 damaged" not in resumed.stdout
+    summary = json.loads((out / "shards" / "0-of-2.json").read_text())
+    assert summary["tokenized_rows"] == cut_rows and summary["resumed_rows"] > 0
+    assert all((out / ".eagle_extract_rows" / "hidden_states" / name).exists() for name in gone)
     early = run_cli("merge", str(out), check=False)
     lines = [x for x in early.stderr.splitlines() if x.strip()]
     assert early.returncode == 1 and len(lines) == 1 and "shard(s) 1/2" in lines[0], early.stderr
@@ -62,5 +88,8 @@ def test_two_replicas_equal_one_run(tmp_path, tiny_llama, mixed_conversations, t
     args = ["--model", str(tiny_llama), "--data", str(mixed_conversations), "--output", str(out)]
     proc = run_cli(*args, "--dtype", "float32", *BUDGET, "--dp", "2")
     assert "2 replicas started" in proc.stdout and "done:" in proc.stdout
-    assert sorted(p.name for p in (out / "shards").glob("*.json")) == ["0-of-2.json", "1-of-2.json"]
+    summaries = [json.loads((out / "shards" / f"{k}-of-2.json").read_text()) for k in range(2)]
+    rows = len(mixed_conversations.read_text().splitlines())
+    assert [s["tokenized_rows"] for s in summaries] == [(rows + 1) // 2, rows // 2]  # each its own rows only
     assert_same_output(out, tiny_tp1_out)
+    assert not (out / ".eagle_extract_rows").exists()
