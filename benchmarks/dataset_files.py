@@ -4,9 +4,11 @@ Appends N synthetic rows (about 590 tokens each, 512 per chunk, as the stream wr
 store, then writes the dataset files and token_freq.pt from it as completion does. Prints the rows/s
 of the appends (the stream's Arrow writing, fsync included), the completion's seconds, and the peak
 RSS of this process in each phase, and its anonymous part (polled every 50 ms; the store's pages,
-mapped from the disk, count in RSS as file pages, which are the page cache's).
+mapped from the disk, count in RSS as file pages, which are the page cache's).  With --shards N the
+same rows go to N shards' stores (source row k modulo N, 512 a chunk each), and completion merges
+them in source row order and renames one empty placeholder file per row to its dataset index.
 
-    python benchmarks/dataset_files.py --rows 10000 100000 1000000 --work /tmp/eagle-store
+    python benchmarks/dataset_files.py --rows 10000 100000 1000000 --work /tmp/eagle-store [--shards 8]
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import time
 from pathlib import Path
 
 from eagle_extract.data import Sample, Skipped
-from eagle_extract.store import TokenStore
+from eagle_extract.output import _name_by_index
+from eagle_extract.shards import rows_folder
+from eagle_extract.store import DatasetRows, TokenStore
 from eagle_extract.stream import CHUNK_ROWS
-from eagle_extract.writer import write_dataset
+from eagle_extract.writer import hidden_state_path, write_dataset
 
 
 def _rss() -> tuple[int, int]:
@@ -64,40 +68,62 @@ def chunk(rng: random.Random, first_row: int) -> list:
     return got
 
 
+def fill(stores: list[TokenStore], rows: int, chunks: list[list]) -> None:
+    """`rows` rows from the template `chunks` (row numbers shifted), row r to stores[r % len(stores)]."""
+    n, pending = len(stores), [[] for _ in stores]
+    total = -(-rows // CHUNK_ROWS)
+    for k in range(total):
+        for s in chunks[k % len(chunks)]:
+            row = s.row + k * CHUNK_ROWS
+            shifted = Sample(row, s.input_ids, s.loss_mask, s.truncated) if isinstance(s, Sample) else Skipped(row, s.reason)
+            pending[row % n].append(shifted)
+        for store, got in zip(stores, pending):
+            if len(got) >= CHUNK_ROWS or (k == total - 1 and got):
+                store.append(got, store.read + len(got), last=k == total - 1)
+                got.clear()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--work", type=Path, default=Path("/tmp/eagle-store"))
+    parser.add_argument("--shards", type=int, default=1)
     a = parser.parse_args()
     rss = PeakRSS()
     print(
-        "| rows | tokens | store GiB | append rows/s | append peak RSS MiB | completion s | completion peak RSS MiB |"
+        f"{a.shards} store(s). | rows | tokens | store GiB | append rows/s | append peak RSS MiB | completion s "
+        "| completion peak RSS MiB | renames s |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     rng = random.Random(0)
-    chunks = [chunk(rng, k * CHUNK_ROWS) for k in range(4)]  # made once: the appends, not the making, are timed
+    chunks = [chunk(rng, 0) for _ in range(4)]  # made once (rows 0-511, shifted): the appends, not the making, are timed
     for rows in a.rows:
         shutil.rmtree(a.work, ignore_errors=True)
-        (a.work / "out").mkdir(parents=True)
-        store = TokenStore(a.work / "store")
+        out = a.work / "out"
+        out.mkdir(parents=True)
+        stores = [TokenStore(a.work / f"store.{k}") for k in range(a.shards)]
         rss.take()
         t0 = time.perf_counter()
-        for k in range(-(-rows // CHUNK_ROWS)):
-            got = [
-                Sample(s.row + k * CHUNK_ROWS, s.input_ids, s.loss_mask, s.truncated)
-                if isinstance(s, Sample)
-                else Skipped(s.row + k * CHUNK_ROWS, s.reason)
-                for s in chunks[k % len(chunks)]
-            ]
-            store.append(got, store.read + len(got), last=k == -(-rows // CHUNK_ROWS) - 1)
+        fill(stores, rows, chunks)
         append_s, append_rss = time.perf_counter() - t0, rss.take()
-        size = sum(p.stat().st_size for p in store.folder.iterdir())
+        size = sum(p.stat().st_size for store in stores for p in store.folder.iterdir())
         t0 = time.perf_counter()
-        write_dataset(a.work / "out", store.dataset(), store.token_freq())
+        merged = DatasetRows(stores)
+        write_dataset(out, merged.dataset(), merged.token_freq())
         complete_s, complete_rss = time.perf_counter() - t0, rss.take()
+        renames = "-"
+        if a.shards > 1:
+            folder = hidden_state_path(rows_folder(out, (0, a.shards)), 0).parent
+            folder.mkdir(parents=True)
+            for row in merged.source_rows.tolist():
+                (folder / f"hs_{row}.safetensors").touch()
+            t0 = time.perf_counter()
+            _name_by_index(out, merged, False, a.shards)
+            renames = f"{time.perf_counter() - t0:.1f}"
+        read = sum(store.read for store in stores)
         print(
-            f"| {rows:,} | {store.tokens:,} | {size / 2**30:.2f} | {store.read / append_s:,.0f} | "
-            f"{append_rss} | {complete_s:.1f} | {complete_rss} |",
+            f"| {rows:,} | {sum(s.tokens for s in stores):,} | {size / 2**30:.2f} | {read / append_s:,.0f} | "
+            f"{append_rss} | {complete_s:.1f} | {complete_rss} | {renames} |",
             flush=True,
         )
     shutil.rmtree(a.work, ignore_errors=True)

@@ -422,6 +422,9 @@ def complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerated
     return manifest
 
 
+RENAMERS = 16  # threads: a rename on a network filesystem is a round trip to its server, which they overlap
+
+
 def _name_by_index(output: Path, rows: DatasetRows, legacy: bool, num_shards: int | None) -> None:
     """Every row's file under its dataset index: the shards' files, named by source row, are renamed (in
     threads: on a network filesystem a rename is a round trip).  A completion cut midway is redone: a file
@@ -442,13 +445,14 @@ def _name_by_index(output: Path, rows: DatasetRows, legacy: bool, num_shards: in
     if not moves:
         return
 
-    def move(pair: tuple[int, int]) -> None:
-        os.replace(hidden_state_path(folder, pair[0], legacy), hidden_state_path(output, pair[1], legacy))
+    def move(part: list[tuple[int, int]]) -> None:
+        for row, index in part:
+            os.replace(hidden_state_path(folder, row, legacy), hidden_state_path(output, index, legacy))
 
     (output / HIDDEN_DIR).mkdir(exist_ok=True)
     try:
-        with ThreadPoolExecutor(16) as pool:
-            list(pool.map(move, moves))
+        with ThreadPoolExecutor(RENAMERS) as pool:  # a slice each: a future per file costs more than a rename
+            list(pool.map(move, [moves[k::RENAMERS] for k in range(RENAMERS)]))
         fsync(output if legacy else output / HIDDEN_DIR)  # the new names on the disk before the manifest
     except OSError as exc:
         raise ExtractError(f"renaming the shards' row files in {output}: {exc.strerror or exc}; rerun to finish") from None
