@@ -149,14 +149,14 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
             tally = {"kept": kept, "waited_s": 0.0}
             batches = _todo(plan, store, done, checked, watch, tally)
             got = _capture(llm, plan, batches, done, mine, tally, run_log.note, watch)
-            written, stats, extract_s, handed, tokens = got
+            stats, extract_s, handed, tokens, pending = got
             kept = tally["kept"]
     finally:
         if tokenizing is not None:
             tokenizing.stop()
         watch.stop.set()  # before the engine goes: its processes end now
         llm = None  # the engine stops now, into the run's log (frames vLLM's imports keep alive would hold it)
-    missing = sorted(handed - written)
+    missing = sorted(pending)
     if missing:
         raise ExtractError(
             f"{len(missing)} rows were never captured (first: row {missing[0]}); rerun, and report this as a bug"
@@ -165,7 +165,7 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
         "engine_start_s": round(start_s, 2),
         "extract_s": round(extract_s, 2),
         "tokens": tokens,
-        "rows": len(handed) + kept,
+        "rows": handed + kept,
         "resumed_rows": kept,
         "redone_rows": len(damaged),
         "tokenized_rows": store.read - tokenizing.kept,  # source rows this run tokenized
@@ -313,8 +313,9 @@ def _check_matching(history: list[tuple[int, int]], first: int | None) -> None:
 
 
 def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, note, watch: EngineWatch) -> tuple:
-    """Stream the rows still to do through the engine; returns (rows written, capture stats, seconds, rows
-    handed to the engine, their tokens).  `note` puts each batch's counts in the run's log; `total` is
+    """Stream the rows still to do through the engine; returns (capture stats, seconds, how many rows were
+    handed to the engine, their tokens, the rows handed but never written): the driver holds only the rows
+    in flight.  `note` puts each batch's counts in the run's log; `total` is
     this job's estimated row count, for the progress display; `tally` is _todo's; `done`, the rows already
     in the folder."""
     kept = tally["kept"]
@@ -337,14 +338,21 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
 
     def record(report: dict, last: bool = False) -> None:
         if joiner is None:
-            written.update(i for rows in report["written_by"] for i in rows)
+            settle(i for rows in report["written_by"] for i in rows)
             return
         try:
             joiner.add(report["written_by"])
-            written.update(joiner.finish() if last else joiner.joined_so_far())
+            settle(joiner.finish() if last else joiner.joined_so_far())
         except Exception as exc:  # a full disk, or stages that disagree: one line, like the writers'
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise ExtractError(f"joining the pipeline stages' files: {why}") from None
+
+    def settle(rows) -> None:
+        nonlocal written
+        for i in rows:
+            if i in pending:
+                pending.remove(i)
+                written += 1
 
     def check_dtype(index: int) -> None:
         kept_as = out.kept_dtype(folder, index) if not (cfg.fp8 or cfg.legacy) else None
@@ -358,7 +366,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
     if done:
         check_dtype(min(done))
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    written, handed = set(), set()
+    written, handed, pending = 0, 0, set()
     watch.beat()
     history = [(0, 0)]  # (settled, unmatched) rows after each batch
     t1 = time.perf_counter()
@@ -368,22 +376,23 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
             if masks is not None:
                 masks.update((i, mask) for i, _, mask in batch)
             batch_masks = [(i, mask) for i, _, mask in batch] if cfg.legacy else None
+            pending.update(i for i, _, _ in batch)
+            handed += len(batch)
             llm.collective_rpc("eagle_expect", args=([(i, ids) for i, ids, _ in batch], batch_masks))
             llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _ in batch], params, use_tqdm=False)
             got = _drain(llm, wait=False)
             record(got)
             watch.beat()
-            handed.update(i for i, _, _ in batch)
             done_tokens += sum(len(ids) for _, ids, _ in batch)
             rate = f"{done_tokens / (time.perf_counter() - t1):,.0f}"
             settled, lost, lost_tokens, dropped = got["matching"]
-            on_disk = tally["kept"] + len(written)  # rows on the disk, not rows handed to the engine
-            bar.total = max(bar.total or 0, tally["kept"] + len(handed))
+            on_disk = tally["kept"] + written  # rows on the disk, not rows handed to the engine
+            bar.total = max(bar.total or 0, tally["kept"] + handed)
             bar.update(on_disk - bar.n)
             bar.set_postfix(tok_s=rate, **({"unmatched": lost} if lost else {}))
             note(
-                f"{on_disk}/about {bar.total} rows written ({len(handed)} handed to the engine this run, "
-                f"{len(handed) - len(written)} pending); unmatched: {lost} rows, {lost_tokens} tokens; "
+                f"{on_disk}/about {bar.total} rows written ({handed} handed to the engine this run, "
+                f"{len(pending)} pending); unmatched: {lost} rows, {lost_tokens} tokens; "
                 f"{dropped} dropped steps; {rate} tok/s; {tally['waited_s']:.1f} s waiting for the tokenizer"
             )
             history.append((settled, lost))
@@ -392,8 +401,8 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
         record(got, last=True)
         history.append(tuple(got["matching"][:2]))
         _check_matching(history, got["first_unmatched"])
-        bar.total = tally["kept"] + len(handed)  # known now that the stream ended
-        bar.update(tally["kept"] + len(written) - bar.n)
+        bar.total = tally["kept"] + handed  # known now that the stream ended
+        bar.update(tally["kept"] + written - bar.n)
     extract_s = time.perf_counter() - t1
     llm.collective_rpc("eagle_remove")
     where = {
@@ -403,4 +412,4 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
         "workers": len(installed),
         "stages": [[w["start"], w["end"]] for w in writers],
     }
-    return written, {**got["stats"], **where}, extract_s, handed, done_tokens
+    return {**got["stats"], **where}, extract_s, handed, done_tokens, pending

@@ -217,3 +217,28 @@ def test_a_streamed_run_writes_what_the_in_memory_rows_say(tmp_path, stream_rows
         got = load_row(out, i)
         assert got["token_ids"].tolist() == samples[i].input_ids
         assert rel_err(got["hidden_states"], ref.slots(samples[i].input_ids, manifest["slot_layer_ids"])) < 1e-4
+
+
+def test_strict_refuses_a_bad_row_past_the_first_chunk_before_the_engine_starts(tmp_path, tiny_llama):
+    """The whole source is tokenized first: the line names the row, and the run leaves no record, no store
+    and no row file, so the corrected data starts cleanly."""
+    from .common import assert_documented
+    from .conftest import run_cli
+
+    data = tmp_path / "rows.jsonl"
+    good = [
+        json.dumps({"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": "A."}]})
+        for i in range(stream.CHUNK_ROWS + 110)
+    ]
+    good.insert(stream.CHUNK_ROWS + 100, "{oops")  # line CHUNK_ROWS + 101
+    data.write_text("\n".join(good) + "\n")
+    out = tmp_path / "out"
+    proc = run_cli("--model", str(tiny_llama), "--data", str(data), "--output", str(out), "--strict", check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]  # the tokenizer's progress, then it
+    assert proc.returncode == 1 and [x for x in lines if "Error" in x] == lines[-1:], proc.stderr[-3000:]
+    assert f"line {stream.CHUNK_ROWS + 101}: malformed JSON line" in lines[-1], lines[-1]
+    case = "a bad row past the first chunk under `--strict`, or a sample there longer than the model's context"
+    assert_documented("During the run", case, lines[-1])
+    assert "--strict: checking every row before the engine starts" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["eagle_extract.log"]  # no run record, store or row file
+    assert "vllm" not in (out / "eagle_extract.log").read_text().lower()  # the engine never started
