@@ -38,7 +38,6 @@ from .writer import (
     legacy_tensors,
     read_manifest,
     read_row,
-    token_frequencies,
 )
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float8_e4m3fn": FP8}
@@ -302,13 +301,15 @@ def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None,
     if layout:
         slots, hidden, dtype = len(m["slot_layer_ids"]), m["hidden_size"], DTYPES[m["storage_dtype"]]
         want = layer_ids_text(m["slot_layer_ids"])
-    ids_all, masks_all, tokens = [], [], 0
+    freq_now, tokens, loss_tokens = torch.zeros(0, dtype=torch.int64), 0, 0  # one row in memory at a time
     held, recorded = {}, 0  # rows recording other layer ids than the manifest's; rows recording any
     for i in counting(len(rows), "verify", "row", show=progress):
         row = rows[i]
-        ids_all.append(row["input_ids"].tolist())
-        masks_all.append(row["loss_mask"].tolist())
-        tokens += int(row["seq_len"])
+        counted = row["input_ids"][row["loss_mask"].bool()]
+        if len(counted):
+            freq_now = torch.cat([freq_now, freq_now.new_zeros(max(0, int(counted.max()) + 1 - len(freq_now)))])
+            freq_now += torch.bincount(counted, minlength=len(freq_now))
+        tokens, loss_tokens = tokens + int(row["seq_len"]), loss_tokens + int(row["loss_mask"].sum())
         if not layout:  # the manifest's problems above say why the files cannot be checked
             continue
         if legacy:
@@ -323,7 +324,6 @@ def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None,
                 held[i] = layer_ids
     if layout:
         problems += layer_id_problems(held, recorded, m["slot_layer_ids"])
-    loss_tokens = sum(map(sum, masks_all))
     problems += [(None, p) for p in count_problems(m, len(rows), tokens, loss_tokens)]
     problems += [
         (i, "stray hidden-state file beyond the last row")
@@ -332,7 +332,7 @@ def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None,
     ]
     try:
         freq = torch.load(output / "token_freq.pt")
-        if freq != token_frequencies(ids_all, masks_all):
+        if freq != {int(t): int(freq_now[t]) for t in torch.nonzero(freq_now).flatten()}:
             problems.append((None, "token_freq.pt does not match the rows' loss-mask tokens"))
     except Exception as exc:
         problems.append((None, f"token_freq.pt unreadable: {exc}"))

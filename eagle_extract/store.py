@@ -243,7 +243,7 @@ class DatasetRows:
 
         counts, first = np.zeros(0, np.int64), np.zeros(0, np.int64)
         seen = 0
-        for table in self.dataset().with_format("arrow").iter(batch_size=4096):
+        for table in self.dataset().with_format("arrow").iter(batch_size=512):  # a chunk's worth
             ids = table.column("input_ids").combine_chunks().flatten().to_numpy()
             mask = table.column("loss_mask").combine_chunks().flatten().to_numpy()
             ids = ids[mask != 0]

@@ -35,7 +35,6 @@ import re
 import shutil
 import tempfile
 import threading
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -247,13 +246,6 @@ def completed_rows(output: Path, legacy: bool = False) -> set[int]:
     pattern = r"data_(\d+)\.pt" if legacy else r"hs_(\d+)\.safetensors"
     names = (re.fullmatch(pattern, p.name) for p in folder.iterdir())
     return {int(m.group(1)) for m in names if m}
-
-
-def token_frequencies(input_ids: list[list[int]], loss_masks: list[list[int]]) -> dict[int, int]:
-    counts: Counter = Counter()
-    for ids, mask in zip(input_ids, loss_masks):
-        counts.update(t for t, m in zip(ids, mask) if m)
-    return dict(counts)
 
 
 def write_dataset(output: Path, rows, freq: dict[int, int]) -> None:
