@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import write_json
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -115,6 +117,7 @@ def build(target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
         config.save_pretrained(tmp)
+        _readable_by_transformers_4(tmp / "config.json")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
         tokenizer.save_pretrained(tmp)
@@ -128,11 +131,21 @@ def build(target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _readable_by_transformers_4(path: Path) -> None:
+    """transformers 5 writes RoPE's theta only inside `rope_parameters`, which transformers 4 (what vLLM
+    releases before 0.19 take) does not read: it would run RoPE at its default theta, another model."""
+    config = json.loads(path.read_text())
+    if "rope_theta" not in config:
+        write_json(path, {**config, "rope_theta": config["rope_parameters"]["rope_theta"]})
+
+
 def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     """Return the cached checkpoint folder, building it on first use (about 20 s)."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     target = root / MODEL_NAME
     if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+        if "rope_theta" not in json.loads((target / "config.json").read_text()):  # built by an earlier release
+            _readable_by_transformers_4(target / "config.json")
         return target
     root.mkdir(parents=True, exist_ok=True)
     build(target)

