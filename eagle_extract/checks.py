@@ -24,6 +24,7 @@ from .config import LEGACY
 from .fp8 import FP8, SCALES
 from .layers import LayerError, legacy_layer_ids, parse_layer_ids
 from .runlog import counting
+from .shards import ROWS_DIR, SHARDS_DIR
 from .writer import (
     CHECKSUM,
     HIDDEN_DIR,
@@ -284,7 +285,9 @@ def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None,
 
     output = Path(output)
     if not (output / MANIFEST).exists():
-        hint = "rerun the extraction to finish it" if (output / HIDDEN_DIR).exists() else "not an eagle-extract output"
+        ours = [HIDDEN_DIR, ROWS_DIR, SHARDS_DIR]  # an unfinished run's, or a sharded one's
+        unfinished = any((output / name).exists() for name in ours) or any(output.glob(".eagle_extract_run*"))
+        hint = "rerun the extraction to finish it" if unfinished else "not an eagle-extract output"
         return [(None, f"no {MANIFEST}: {hint}")]
     try:
         manifest = read_manifest(output)
@@ -306,9 +309,9 @@ def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None,
     for i in counting(len(rows), "verify", "row", show=progress):
         row = rows[i]
         counted = row["input_ids"][row["loss_mask"].bool()]
-        if len(counted):
+        if len(counted) and int(counted.min()) >= 0:  # a negative id: token_freq.pt cannot match, said below
             freq_now = torch.cat([freq_now, freq_now.new_zeros(max(0, int(counted.max()) + 1 - len(freq_now)))])
-            freq_now += torch.bincount(counted, minlength=len(freq_now))
+            freq_now.index_add_(0, counted, torch.ones_like(counted))
         tokens, loss_tokens = tokens + int(row["seq_len"]), loss_tokens + int(row["loss_mask"].sum())
         if not layout:  # the manifest's problems above say why the files cannot be checked
             continue

@@ -151,6 +151,7 @@ def identical_complete(output: Path, identity: dict, overwrite: bool) -> dict | 
         same, manifest = False, None
     if not same:
         raise ExtractError(f"--output {output} already holds a complete extraction; pass --overwrite to replace it")
+    remove_leftovers(Path(output))  # a completion cut after its manifest left them
     return manifest
 
 
@@ -354,10 +355,26 @@ def _versions() -> dict:
 
 def complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerated) -> dict:
     """Write the dataset files (from the token stores: the run's, or every shard's) and, last, the manifest:
-    the output now looks complete."""
+    the output now looks complete.  A sharded completion that fails lets the next one (`merge`) try."""
+    try:
+        return _complete(plan, stores, runs, regenerated)
+    except BaseException:
+        if plan.shard:
+            shards.release_completion(plan.cfg.output)
+        raise
+
+
+def _complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerated) -> dict:
     cfg, shape, output = plan.cfg, plan.shape, Path(plan.cfg.output)
+    finish = f"run `eagle-extract merge {output}` to finish" if plan.shard else "rerun to finish"
     rows = DatasetRows(stores)
     counts = rows.counts
+    if not counts["samples"]:  # only shards get here with none: each of them saw its own rows only
+        row, why = next(rows.skipped(), (None, "the source is empty"))
+        raise ExtractError(
+            f"no usable rows in {cfg.data}: every shard skipped all of its rows (first: row {row}, {why}); "
+            f"fix the data, empty {output} and run the shards again"
+        )
     engines = {r["capture"].get("dtype") for r in runs if isinstance(r.get("capture"), dict)} - {None}
     if len(engines) > 1:
         raise ExtractError(
@@ -365,11 +382,11 @@ def complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerated
             "their rows differ in dtype; rerun every shard into a new output with --dtype set to one of them"
         )
     dtype = engines.pop() if engines else plan.dtype  # the engine's: --dtype auto may not be config.json's
-    _name_by_index(output, rows, cfg.legacy, len(runs) if plan.shard else None)
+    _name_by_index(output, rows, cfg.legacy, len(runs) if plan.shard else None, finish)
     try:
         write_dataset(output, rows.dataset(), rows.token_freq())
     except OSError as exc:
-        raise ExtractError(f"writing the dataset files in {output}: {exc.strerror or exc}; rerun to finish") from None
+        raise ExtractError(f"writing the dataset files in {output}: {exc.strerror or exc}; {finish}") from None
     extract_s = max(r["extract_s"] for r in runs)
     manifest = {
         "format": LEGACY if cfg.legacy else "speculators-offline",
@@ -413,31 +430,38 @@ def complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerated
     }
     try:
         _write_skip_report(output, rows, counts["skipped"])
-        for folder in [*output.glob(f"{STORE}*"), output / PARTS_DIR, output / shards.ROWS_DIR]:  # all in place now
-            shutil.rmtree(folder, ignore_errors=True)  # (before the manifest: a complete output holds no store)
         write_manifest(output, manifest)
     except OSError as exc:
-        raise ExtractError(f"writing the manifest in {output}: {exc.strerror or exc}; rerun to finish") from None
+        raise ExtractError(f"writing the manifest in {output}: {exc.strerror or exc}; {finish}") from None
+    remove_leftovers(output)
     shards.release_completion(output)
     return manifest
+
+
+def remove_leftovers(output: Path) -> None:
+    """What a complete output no longer needs: the token stores, the shards' emptied row folder, --pp parts.
+    (After the manifest: until it is written they are what a cut completion is finished from.)"""
+    for folder in [*output.glob(f"{STORE}*"), output / PARTS_DIR, output / shards.ROWS_DIR]:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 RENAMERS = 16  # threads: a rename on a network filesystem is a round trip to its server, which they overlap
 
 
-def _name_by_index(output: Path, rows: DatasetRows, legacy: bool, num_shards: int | None) -> None:
+def _name_by_index(output: Path, rows: DatasetRows, legacy: bool, num_shards: int | None, finish: str) -> None:
     """Every row's file under its dataset index: the shards' files, named by source row, are renamed (in
     threads: on a network filesystem a rename is a round trip).  A completion cut midway is redone: a file
     already renamed is found under its index."""
     from concurrent.futures import ThreadPoolExecutor
 
     folder = output / shards.ROWS_DIR
-    by_row, by_index = completed_rows(folder, legacy), completed_rows(output, legacy)
+    by_row, by_index = completed_rows(folder, legacy) if num_shards else set(), completed_rows(output, legacy)
     source = rows.source_rows.tolist()
     missing = [i for i, r in enumerate(source) if r not in by_row and i not in by_index]
     if missing:
         row = source[missing[0]]
-        fix = f"rerun shard {row % num_shards}/{num_shards}" if num_shards else "rerun to finish"
+        shard = f"{row % num_shards}/{num_shards}" if num_shards else None
+        fix = f"rerun the --shard {shard} job (or the --dp {num_shards} command)" if shard else finish
         raise ExtractError(
             f"{len(missing)} rows have no hidden-state file (first: row {missing[0]}, source row {row}); {fix}"
         )
@@ -455,7 +479,7 @@ def _name_by_index(output: Path, rows: DatasetRows, legacy: bool, num_shards: in
             list(pool.map(move, [moves[k::RENAMERS] for k in range(RENAMERS)]))
         fsync(output if legacy else output / HIDDEN_DIR)  # the new names on the disk before the manifest
     except OSError as exc:
-        raise ExtractError(f"renaming the shards' row files in {output}: {exc.strerror or exc}; rerun to finish") from None
+        raise ExtractError(f"renaming the shards' row files in {output}: {exc.strerror or exc}; {finish}") from None
 
 
 def _write_skip_report(output: Path, rows: DatasetRows, skipped: int) -> None:

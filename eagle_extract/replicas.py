@@ -118,7 +118,7 @@ def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log, lock_
         log(f"{dp} replicas started ({', '.join(str(p.pid) for p in procs)}); logs in {output / SHARDS_DIR}")
         with progress(total, f"extract x{dp}", "row") as bar:
             while True:
-                bar.update(max(0, len(completed_rows(output / ROWS_DIR, cfg.legacy)) - bar.n))  # 0 once renamed
+                bar.update(max(0, len(completed_rows(output / ROWS_DIR, cfg.legacy)) - bar.n))  # completion renames them away
                 failed = [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]
                 if failed:
                     k = failed[0]

@@ -7,6 +7,8 @@ this shard of it).
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +26,7 @@ from .runlog import RunLog, progress
 from .stages import PartJoiner, check_layout
 from .store import TokenStore, store_name
 from .watch import HEARTBEAT_S, EngineWatch
-from .writer import completed_rows, hidden_state_path
+from .writer import HIDDEN_DIR, completed_rows, hidden_state_path
 
 
 def run(cfg: ExtractConfig, log=print) -> dict:
@@ -32,6 +34,11 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     when the output is complete, else this shard's summary (with "complete": False)."""
     plan = make_plan(cfg)
     output = Path(cfg.output)
+    if plan.shard is None and not cfg.overwrite and (output / shards.ROWS_DIR).is_dir():
+        raise ExtractError(
+            f"--output {output} holds the rows of an unfinished sharded run (--shard or --dp), named by source row; "
+            "finish it with its --shard or --dp command, or pass --overwrite to start over"
+        )
     if cfg.regenerate:  # the answers come first: the conversations are tokenized after them
         source = list(read_records(cfg.data, cfg.data_format, cfg.strict, need_assistant=False))
         first = sized = None
@@ -39,7 +46,9 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         kept = None if cfg.overwrite else TokenStore(output / store_name(plan.shard), change=False)
         vouched = (output / out.run_file(plan.shard)).exists()  # else prepare_output starts the store over
         resuming = kept is not None and bool(kept.chunks) and vouched  # its rows are not tokenized again
-        source, first = None, [] if resuming else stream.first_chunks(plan, stream.job_rows(cfg, plan.shard))
+        own = stream.own_rows_only(cfg, plan.shard)  # a shard's own rows may all be skipped: the others' may not
+        first = [] if resuming else stream.first_chunks(plan, stream.job_rows(cfg, plan.shard), require_usable=not own)
+        source = None
         done = set() if cfg.overwrite else completed_rows(shards.rows_folder(output, plan.shard), cfg.legacy)
         sized = _sized(plan, first, done, kept)
     with out.claimed(output, plan.shard):
@@ -99,6 +108,13 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
     changed = None if cfg.overwrite else out.other_releases(output, plan.identity, plan.shard)
     if changed:
         log(f"warning: {changed}")
+    hidden = output / HIDDEN_DIR
+    if plan.shard and hidden.is_dir() and next(os.scandir(hidden), None) is not None:
+        log(
+            f"warning: {hidden} holds rows named by dataset index (an unsharded run's, shards' of an eagle-extract "
+            "before 2026-12-02, or a completion cut midway, which `eagle-extract merge` finishes); a shard does not "
+            "reuse them"
+        )
     try:
         if records is not None:
             out.prepare_output(output, plan.identity, cfg.overwrite)
@@ -139,18 +155,22 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
         )
         if cfg.strict:  # every row is checked before the engine starts
             _wait_for_stream(store, log)
-        with engine_errors():
-            if llm is None:
-                t0 = time.perf_counter()
-                watch.expect_engine()
-                context = plan.shape.context or cfg.seq_length + 1
-                llm = start_engine(cfg, min(cfg.seq_length + 1, context))  # room for the sampled token
-                start_s = _watched(llm, watch, t0)
-            tally = {"kept": kept, "waited_s": 0.0}
-            batches = _todo(plan, store, done, checked, watch, tally)
-            got = _capture(llm, plan, batches, done, mine, tally, run_log.note, watch)
-            stats, extract_s, handed, tokens, pending = got
-            kept = tally["kept"]
+        tally = {"kept": kept, "waited_s": 0.0}
+        batches = _todo(plan, store, done, checked, watch, tally)
+        first_batch = next(batches, None)  # None: nothing to write (a rerun of a finished shard, say): no engine
+        stats, extract_s, handed, tokens, pending = {}, 0.0, 0, 0, set()
+        if first_batch is not None:
+            with engine_errors():
+                if llm is None:
+                    t0 = time.perf_counter()
+                    watch.expect_engine()
+                    context = plan.shape.context or cfg.seq_length + 1
+                    llm = start_engine(cfg, min(cfg.seq_length + 1, context))  # room for the sampled token
+                    start_s = _watched(llm, watch, t0)
+                batches = itertools.chain([first_batch], batches)
+                got = _capture(llm, plan, batches, done, mine, tally, run_log.note, watch)
+                stats, extract_s, handed, tokens, pending = got
+        kept = tally["kept"]
     finally:
         if tokenizing is not None:
             tokenizing.stop()
@@ -342,7 +362,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
             return
         try:
             joiner.add(report["written_by"])
-            settle(joiner.finish() if last else joiner.joined_so_far())
+            settle(joiner.finish() if last else joiner.take_joined())
         except Exception as exc:  # a full disk, or stages that disagree: one line, like the writers'
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise ExtractError(f"joining the pipeline stages' files: {why}") from None

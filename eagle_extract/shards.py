@@ -1,7 +1,8 @@
 """Several jobs writing one output folder: machines, scheduler array tasks, or `--dp` replicas.
 
-Shard k of N takes the rows whose source row number is k modulo N, and reads and tokenizes only
-those (with --max-samples, every row up to the cut, to count them).  Since a row's dataset index
+Shard k of N takes the rows whose source row number is k modulo N, and tokenizes only those (the
+source is still read past the others; with --max-samples, every row up to the cut is tokenized, to
+count them).  Since a row's dataset index
 depends on how many rows before it are usable, which no shard knows, a shard names each row's file
 by its source row, in `.eagle_extract_rows/`; at completion every file is renamed to its dataset
 index, so N shards equal one run file for file.  A finished shard leaves `shards/{k}-of-{N}.json`;

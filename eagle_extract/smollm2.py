@@ -144,8 +144,7 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     target = root / MODEL_NAME
     if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
-        if "rope_theta" not in json.loads((target / "config.json").read_text()):  # built by an earlier release
-            _readable_by_transformers_4(target / "config.json")
+        _readable_by_transformers_4(target / "config.json")  # a cache an earlier release built lacks it
         return target
     root.mkdir(parents=True, exist_ok=True)
     build(target)

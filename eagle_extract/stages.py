@@ -127,13 +127,15 @@ class PartJoiner:
         with self._lock:
             self.joined.add(index)
 
-    def joined_so_far(self) -> set[int]:
+    def take_joined(self) -> set[int]:
+        """The rows joined since the last call (so no caller holds every row of a run)."""
         with self._lock:
-            return set(self.joined)
+            taken, self.joined = self.joined, set()
+        return taken
 
     def finish(self) -> set[int]:
         """Wait for every join, raise the first failure, and remove the part folders once empty
-        (shards of the same output may still be writing theirs)."""
+        (shards of the same output may still be writing theirs); returns the rows joined since the last take."""
         self._pool.shutdown(wait=True)
         for future in self._futures:
             future.result()
@@ -142,4 +144,4 @@ class PartJoiner:
                 os.rmdir(folder)
             except OSError:  # not empty
                 pass
-        return self.joined
+        return self.take_joined()

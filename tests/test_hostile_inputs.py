@@ -67,6 +67,7 @@ def _cases(tmp, model):
         (tmp / folder).mkdir()
         name = {"emptied": ".eagle_extract_run.json", "other-count": ".eagle_extract_run.1-of-2.json"}
         (tmp / folder / name.get(folder, ".eagle_extract_run.0-of-2.json")).write_text(record)
+    (tmp / "sharded-rows" / ".eagle_extract_rows" / "hidden_states").mkdir(parents=True)
     (tmp / "swap" / ".eagle_extract_replacement").mkdir(parents=True)
     for folder in (tmp / "swap", tmp / "swap" / ".eagle_extract_replacement"):
         (folder / "eagle_extract.json").write_text("{}")
@@ -163,6 +164,10 @@ def _cases(tmp, model):
         ("output of a finished run, another command", ["--output", str(tmp / "complete")]),
         ("unfinished run with other settings", ["--output", str(tmp / "unfinished")]),
         ("a run record that a power cut emptied", ["--output", str(tmp / "emptied")]),
+        (
+            f"an unsharded run into an unfinished sharded run's output (without {B}--shard{B} or {B}--dp{B})",
+            ["--output", str(tmp / "sharded-rows")],
+        ),
         (
             "a shard job of another count than the shards already in the output",
             ["--output", str(tmp / "other-count"), "--shard", "0/3"],
