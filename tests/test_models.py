@@ -18,11 +18,13 @@ import pytest
 import torch
 from datasets import load_from_disk
 
-from .common import AVX512, Reference, load_row, rel_err
+from .common import AVX512, AVX512_BF16, Reference, load_row, rel_err
 from .conftest import extract
 from .tiny_models import build, build_aria, build_kimi_k25
 
-BF16_BOUND = 0.1 if AVX512 else 0.15
+# GPT-OSS's tiny model reaches 0.107 with AVX-512 BF16 (an AMD EPYC with avx512_bf16, 2026-12-02); its nearest
+# neighbouring layer stays 0.62 away, so the factor-of-two test below is what tells the layers apart
+BF16_BOUND = 0.1 if AVX512 and not AVX512_BF16 else 0.15
 TEXT_ONLY = ("--engine-arg", "language_model_only=true")  # the tiny wrappers carry no vision weights
 
 
