@@ -97,19 +97,14 @@ def test_two_replicas_equal_one_run(tmp_path, tiny_llama, mixed_conversations, t
 
 def test_a_shard_whose_rows_are_all_skipped_finishes_without_an_engine(tmp_path, tiny_llama):
     """Shard 1/2 owns one malformed row only: it tokenizes its own row, has nothing to write, and records
-    itself finished without starting an engine; shard 0/2 then completes the output with the skip listed."""
+    itself finished without starting an engine, waiting for shard 0/2 (whose rows are usable)."""
     good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]}
     data = tmp_path / "rows.jsonl"
     data.write_text(f"{json.dumps(good)}\n{{oops\n{json.dumps(good)}\n")
     out = tmp_path / "out"
-    args = ["--model", str(tiny_llama), "--data", str(data), "--output", str(out), "--dtype", "float32"]
-    idle = run_cli(*args, "--shard", "1/2")
+    idle = run_cli("--model", str(tiny_llama), "--data", str(data), "--output", str(out), "--shard", "1/2")
     assert "waiting for shard(s) 0/2" in idle.stdout
     summary = json.loads((out / "shards" / "1-of-2.json").read_text())
     assert (summary["rows"], summary["tokenized_rows"], summary["engine_start_s"]) == (0, 1, 0)
     assert "vllm" not in (out / "eagle_extract.1-of-2.log").read_text().lower()  # no engine was started
-    run_cli(*args, "--shard", "0/2")
-    manifest = json.loads((out / "eagle_extract.json").read_text())
-    assert (manifest["num_samples"], manifest["skipped"], manifest["source_row_ranges"]) == (2, 1, [[0, 1], [2, 3]])
-    assert json.loads((out / "skipped_rows.jsonl").read_text())["row"] == 1
-    assert "passes every check" in run_cli("verify", str(out)).stdout
+    assert not (out / ".eagle_extract_rows").exists()
