@@ -157,7 +157,8 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
             _wait_for_stream(store, log)
         tally = {"kept": kept, "waited_s": 0.0}
         batches = _todo(plan, store, done, checked, watch, tally)
-        first_batch = next(batches, None)  # None: nothing to write (a rerun of a finished shard, say): no engine
+        with engine_errors():  # the stream's failures are one line here too
+            first_batch = next(batches, None)  # None: nothing to write (a rerun of a finished shard, say): no engine
         stats, extract_s, handed, tokens, pending = {}, 0.0, 0, 0, set()
         if first_batch is not None:
             with engine_errors():
