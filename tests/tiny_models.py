@@ -55,11 +55,16 @@ def deepseek_v3_config(layers: int, hidden: int = 128):
                             qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, rope_scaling=None)  # fmt: skip
 
 
+# GPT-OSS's published YaRN RoPE, written out: transformers 5 defaults to it, transformers 4 to no scaling.
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}  # fmt: skip
+
+
 def gpt_oss_config(layers: int):
     from transformers import GptOssConfig
 
     return GptOssConfig(**BASE, head_dim=64, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
-                        num_hidden_layers=layers, sliding_window=4096, rope_scaling=None)  # fmt: skip
+                        num_hidden_layers=layers, sliding_window=4096, rope_scaling=GPT_OSS_ROPE)  # fmt: skip
 
 
 CONFIGS = {
