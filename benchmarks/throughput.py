@@ -1,7 +1,7 @@
 """Side-by-side throughput: plain vLLM prefill against eagle-extract capture + writes, one engine.
 
     python benchmarks/throughput.py --model PATH [--dummy] --prompts 128 --prompt-len 1024 --reps 3
-        [--storage-dtypes model,fp8] [--sync] [--num-layers N] [--host-memory GIB]
+        [--storage-dtypes model,fp8] [--sync] [--num-layers N] [--host-memory GIB] [--engine-arg KEY=VALUE ...]
 
 The engine is started once with eagle-extract's settings (eager, no prefix caching, the worker
 extension). Each repetition runs (a) plain `generate(max_tokens=1)` with no hooks installed,
@@ -218,6 +218,7 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true", help="b's clock includes os.sync(); the disk is measured too")
     ap.add_argument("--num-layers", type=int, default=None, help="cut the model to its first N layers (--dummy)")
     ap.add_argument("--host-memory", type=float, default=None, help="the capture's host-memory budget, GiB")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="as the CLI's, repeatable")
     args = ap.parse_args()
     if args.num_layers:
         args.model = layer_cut(args.model, args.num_layers, args.out.parent)
@@ -226,6 +227,7 @@ def main() -> None:
     from transformers import AutoConfig
     from vllm import SamplingParams, TokensPrompt
 
+    from eagle_extract.cli import _engine_args
     from eagle_extract.config import ExtractConfig
     from eagle_extract.engine import start_engine
     from eagle_extract.layers import parse_layer_ids
@@ -239,7 +241,7 @@ def main() -> None:
     ]
     tokens = args.prompts * args.prompt_len
     hf = transformers_baseline(args, prompts, aux + [text.num_hidden_layers]) if args.transformers else []
-    extra = {"skip_tokenizer_init": True}
+    extra = {"skip_tokenizer_init": True, **_engine_args(None, None, tuple(args.engine_arg))}
     if args.dummy:
         extra["load_format"] = "dummy"
     if args.builtin:  # two engines side by side on the same GPUs

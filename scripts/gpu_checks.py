@@ -21,6 +21,10 @@ Runs on a machine with vLLM (GPU build) installed, from the repository root:
    in float32, TP=1 against transformers and TP=2 against TP=1, both < 1e-4.
 9. with two GPUs, `pp`: `--pp 2` against `--pp 1` and against transformers, float32 (SmolLM2, the
    tiny Qwen3-MoE, the Aria wrapper).
+10. `kimi-int4` (one GPU): Kimi-K2.5 as released (benchmarks/configs/kimi-k2.5: the multimodal wrapper,
+   INT4 routed experts) cut to 12 layers, dummy weights, through the CLI (verify, [T, 4, 7168] rows, the
+   wrapper in the manifest), then timed against plain prefill in bf16 and FP8 storage, fsynced;
+   `kimi-int4-vs-bf16`: the same at 4 layers with INT4 and with bf16 experts, one engine after the other.
 
 GPU numbers are relative to CUDA_VISIBLE_DEVICES, so two invocations can share a host.
 
@@ -33,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -367,6 +372,112 @@ def kimi_checks(work: Path, data: Path, layers: int = 6) -> None:
     check(f"kimi-k2.5 text widths, {layers} layers, TP=2: extract vs plain prefill", bench)
 
 
+def kimi_release(work: Path, layers: int, int4: bool = True) -> Path:
+    """Kimi-K2.5 as released (benchmarks/configs/kimi-k2.5), cut to its first `layers` decoder layers, for
+    dummy weights; int4=False drops the quantization config, so the routed experts are bf16."""
+    from eagle_extract.smollm2 import ensure_smollm2
+    from tests.tiny_models import KIMI_MEDIA
+
+    config = json.loads((REPO / "benchmarks/configs/kimi-k2.5/config.json").read_text())
+    text = {**config["text_config"], "num_hidden_layers": layers}
+    if not int4:
+        del text["quantization_config"]
+    model = work / f"kimi-k2.5-{'int4' if int4 else 'bf16'}-{layers}l"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps({**config, "text_config": text}, indent=1))
+    (model / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": KIMI_MEDIA}))
+    copy_tokenizer(ensure_smollm2(work / "cache"), model)  # Kimi's own tokenizer is remote code; ids < 163,840
+    return model
+
+
+KIMI_ENGINE = ("--engine-arg", "load_format=dummy", "--engine-arg", "language_model_only=true")
+
+
+def engine_log_lines(log: str) -> str:
+    """What vLLM said about the weights, the MoE kernel and the KV cache, from a run's log."""
+    wanted = ("Model loading took", "Available KV cache memory", "GPU KV cache size", "MoEMethod", "MoE backend")
+    lines = [line.split("] ", 1)[-1].strip() for line in log.splitlines() if any(w in line for w in wanted)]
+    return "; ".join(dict.fromkeys(lines))
+
+
+def bench_figures(model: Path, work: Path, aux: str, tag: str, prompts: int = 64) -> dict:
+    """benchmarks/throughput.py on one GPU: plain prefill, then bf16 and FP8 storage, fsynced, 3 repetitions."""
+    figures = work / f"{tag}.json"
+    cmd = [sys.executable, "benchmarks/throughput.py", "--model", str(model), "--dummy", "--layers", aux,
+           "--prompts", str(prompts), "--prompt-len", "2048", "--reps", "3", "--storage-dtypes", "model,fp8",
+           "--sync", "--engine-arg", "language_model_only=true", "--out", str(work / tag), "--json", str(figures)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env("0"), cwd=REPO)
+    print(proc.stdout[-3000:], flush=True)
+    if proc.returncode != 0:
+        raise RuntimeError(root_cause(proc.stdout + proc.stderr))
+    return json.loads(figures.read_text())
+
+
+def bench_detail(f: dict) -> str:
+    runs = "; ".join(
+        f"{name}: {statistics.median(r['tok_s']):,.0f} tok/s, b/a {statistics.median(r['ratios']):.3f}, "
+        f"{r['write_GBps']:.2f} GB/s ({r['of_disk']:.2f} of the disk)"
+        for name, r in f["runs"].items()
+    )
+    return (
+        f"plain {statistics.median(f['plain_tok_s']):,.0f} tok/s ({min(f['plain_tok_s']):,.0f}-"
+        f"{max(f['plain_tok_s']):,.0f}); {runs}; disk {statistics.median(f['disk_GBps']):.2f} GB/s; "
+        f"peak RSS {f['peak_rss_GiB']:.1f} GiB; start {f['engine_start_s']} s; GPU memory held {f['gpu_memory']}"
+    )
+
+
+def kimi_int4_checks(work: Path, data: Path, layers: int = 12) -> None:
+    """Kimi-K2.5 as users run it: the wrapper with INT4 routed experts, through the CLI, on one GPU."""
+    model = kimi_release(work, layers)
+    out, aux = work / "kimi-int4", f"2,{layers // 2},{layers - 3}"
+
+    def cli_run():
+        t0 = time.perf_counter()
+        rc, log = extract(model, data, out, "--layers", aux, "--dtype", "bfloat16", *KIMI_ENGINE)
+        if rc != 0:
+            raise RuntimeError(root_cause(log))
+        manifest = json.loads((out / "eagle_extract.json").read_text())
+        capture = manifest["capture"]
+        row = load_row(out, 0)["hidden_states"].float()
+        verify = subprocess.run([sys.executable, "-m", "eagle_extract", "verify", str(out)], capture_output=True,
+                                text=True, cwd=REPO)  # fmt: skip
+        per_slot = [f"{row[:, k].abs().max().item():.3g}" for k in range(row.shape[1])]
+        ok = (
+            verify.returncode == 0
+            and tuple(row.shape[1:]) == (4, 7168)
+            and capture["model_class"] == "KimiK25ForConditionalGeneration"
+            and capture["decoder_path"] == "language_model.model"
+            and len(capture["stages"]) == 1
+            and bool(torch.isfinite(row).all())
+            and all(row[:, k].abs().max() > 0 for k in range(row.shape[1]))
+        )
+        return ok, (
+            f"{time.perf_counter() - t0:.0f} s end to end; {manifest['num_samples']} rows, row 0 {list(row.shape)}; "
+            f"slots {manifest['slot_layer_ids']}; {capture['model_class']} via {capture['decoder_path']}; "
+            f"{len(capture['stages'])} writing rank; max |state| per slot {per_slot}; verify: "
+            f"{verify.stdout.strip().splitlines()[-1] if verify.stdout.strip() else verify.stderr[-300:]}; "
+            f"vLLM: {engine_log_lines((out / 'eagle_extract.log').read_text())}"
+        )
+
+    check(f"kimi-k2.5 as released, INT4 experts, {layers} layers, dummy, TP=1, CLI + verify", cli_run)
+
+    def bench():
+        return True, bench_detail(bench_figures(model, work, aux, f"kimi-int4-{layers}l"))
+
+    check(f"kimi-k2.5 INT4, {layers} layers, TP=1: extract (bf16, FP8) vs plain prefill, fsynced", bench)
+
+
+def kimi_int4_vs_bf16_checks(work: Path, layers: int = 4) -> None:
+    """The INT4 kernels' own speed: the same layers with INT4 and with bf16 routed experts."""
+    for int4 in (True, False):
+        model = kimi_release(work, layers, int4=int4)
+
+        def bench(model=model):
+            return True, bench_detail(bench_figures(model, work, "1,2,3", model.name))
+
+        check(f"kimi-k2.5 {'INT4' if int4 else 'bf16'} experts, {layers} layers, TP=1: extract vs plain", bench)
+
+
 FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "aria", "deepseek_v3", "kimi_k25")  # MLA last: no float32 on GPUs
 
 
@@ -481,6 +592,10 @@ def main() -> None:
         dp_checks(args.work, data)
     if "kimi" in parts and torch.cuda.device_count() >= 2:
         kimi_checks(args.work, data)
+    if "kimi-int4" in parts:
+        kimi_int4_checks(args.work, data)
+    if "kimi-int4-vs-bf16" in parts:
+        kimi_int4_vs_bf16_checks(args.work)
     tps = tuple(tp for tp in (1, 2) if f"families-tp{tp}" in parts or "families" in parts)
     if tps:
         families_checks(args.work, data, tps if torch.cuda.device_count() >= 2 or DEVICE == "cpu" else (1,))

@@ -4,21 +4,25 @@
 #   bash scripts/gpu_run.sh PIECES [COMMAND ...]
 # PIECES holds p1 ... pN from `scripts/offline_wheels.py split` (docs/install.md); when they also
 # hold the wheels of gpu/requirements-train.lock, the training stage is installed too.
+# LOCK=gpu/requirements-gpu-vllm-X.lock installs another release's set, in a folder of its own; its
+# PIECES need hold only the wheels an earlier set on this machine did not bring (/tmp/wheels keeps them).
 set -euo pipefail
-pieces=${1:?usage: gpu_run.sh PIECES [COMMAND ...]}
+pieces=${1:?usage: [LOCK=...] gpu_run.sh PIECES [COMMAND ...]}
 shift
-if [ ! -d /tmp/site/vllm ]; then
-  python3 scripts/offline_wheels.py join "$pieces" /tmp/wheels --lock gpu/requirements-gpu.lock
+lock=${LOCK:-gpu/requirements-gpu.lock}
+site=/tmp/site-$(basename "$lock" .lock)
+if [ ! -d "$site/vllm" ]; then
+  python3 scripts/offline_wheels.py join "$pieces" /tmp/wheels --lock "$lock"
   python3 -m pip install -q --no-index --no-deps --require-hashes --no-compile --find-links /tmp/wheels \
-    --target /tmp/site -r gpu/requirements-gpu.lock
+    --target "$site" -r "$lock"
 fi
 # The training stage (speculators), when its wheels came with the pieces.
-if compgen -G "$pieces/p*/speculators-*.whl" >/dev/null && [ ! -d /tmp/site/speculators ]; then
+if compgen -G "$pieces/p*/speculators-*.whl" >/dev/null && [ ! -d "$site/speculators" ]; then
   python3 scripts/offline_wheels.py join "$pieces" /tmp/wheels --lock gpu/requirements-train.lock
   python3 -m pip install -q --no-index --no-deps --require-hashes --no-compile --find-links /tmp/wheels \
-    --target /tmp/site -r gpu/requirements-train.lock
+    --target "$site" -r gpu/requirements-train.lock
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
 # Settings the GPU runs needed (docs/install.md): no flashinfer, offline, spawned workers.
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
