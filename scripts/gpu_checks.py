@@ -432,6 +432,7 @@ def bench_detail(f: dict) -> str:
 
 def kimi_int4_checks(work: Path, data: Path, cli: bool, timed: bool, layers: int = 12) -> None:
     """Kimi-K2.5 as users run it: the wrapper with INT4 routed experts, through the CLI, on one GPU."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # the run's log then names the MoE kernel and the KV cache
     model = kimi_release(work, layers)
     out, aux = work / "kimi-int4", f"2,{layers // 2},{layers - 3}"
 
