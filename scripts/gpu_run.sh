@@ -10,14 +10,16 @@ set -euo pipefail
 pieces=${1:?usage: [LOCK=...] gpu_run.sh PIECES [COMMAND ...]}
 shift
 lock=${LOCK:-gpu/requirements-gpu.lock}
-site=/tmp/site-$(basename "$lock" .lock)
+[ -f "$lock" ] || { echo "gpu_run.sh: LOCK=$lock: no such lock file (gpu/ has them)" >&2; exit 1; }
+site=/tmp/site-$(basename "$lock" .lock)-$(sha256sum "$lock" | cut -c1-12)  # a changed lock installs anew
 if [ ! -d "$site/vllm" ]; then
   python3 scripts/offline_wheels.py join "$pieces" /tmp/wheels --lock "$lock"
   python3 -m pip install -q --no-index --no-deps --require-hashes --no-compile --find-links /tmp/wheels \
     --target "$site" -r "$lock"
 fi
-# The training stage (speculators), when its wheels came with the pieces.
-if compgen -G "$pieces/p*/speculators-*.whl" >/dev/null && [ ! -d "$site/speculators" ]; then
+# The training stage (speculators), when its wheels came with these pieces or earlier ones.
+if { compgen -G "$pieces/p*/speculators-*.whl" || compgen -G "/tmp/wheels/speculators-*.whl"; } >/dev/null \
+  && [ ! -d "$site/speculators" ]; then
   python3 scripts/offline_wheels.py join "$pieces" /tmp/wheels --lock gpu/requirements-train.lock
   python3 -m pip install -q --no-index --no-deps --require-hashes --no-compile --find-links /tmp/wheels \
     --target "$site" -r gpu/requirements-train.lock

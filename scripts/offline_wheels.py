@@ -5,7 +5,7 @@
     ... carry PIECES/p1, PIECES/p2, ... one at a time ...
     python scripts/offline_wheels.py join PIECES WHEELS --lock gpu/requirements-gpu.lock   # there
     python3 -m pip install --no-index --no-deps --require-hashes --find-links WHEELS \\
-        --target /tmp/site -r gpu/requirements-gpu.lock                                   # there
+        --target SITE -r gpu/requirements-gpu.lock                                        # there
 
 `split` packs whole wheels into folders p1, p2, ... of at most --max-mib each and cuts wheels
 larger than that into numbered pieces. `join` puts the wheels back together and checks each one
@@ -100,7 +100,7 @@ def split(wheels: Path, out: Path, max_mib: float) -> list[Path]:
 
 
 def join(pieces: Path, out: Path, lock: Path) -> list[Path]:
-    """Reassemble every wheel under pieces/p*/ into out/ and check it against the lock."""
+    """Reassemble every wheel under pieces/p*/ into out/ and check the lock's wheels there; returns those."""
     out.mkdir(parents=True, exist_ok=True)
     parts: dict[str, list[Path]] = {}
     for path in sorted(pieces.glob("p*/*")):
@@ -125,7 +125,7 @@ def join(pieces: Path, out: Path, lock: Path) -> list[Path]:
     for name, digest in expected.items():
         if sha256(out / name) != digest:
             raise SystemExit(f"{name}: sha256 differs from the lock (a damaged or incomplete piece); carry it again")
-    return sorted(out.glob("*.whl"))
+    return sorted(out / name for name in expected)
 
 
 def main() -> None:
@@ -149,7 +149,7 @@ def main() -> None:
         for folder in split(args.wheels, args.out, args.max_mib):
             print(f"{folder}: {sum(p.stat().st_size for p in folder.iterdir()) / 2**20:.1f} MiB")
     else:
-        print(f"{len(join(args.pieces, args.out, args.lock))} wheels joined and checked against {args.lock}")
+        print(f"{len(join(args.pieces, args.out, args.lock))} locked wheels joined and checked against {args.lock}")
 
 
 if __name__ == "__main__":
