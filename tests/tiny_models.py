@@ -64,7 +64,7 @@ def gpt_oss_config(layers: int):
     from transformers import GptOssConfig
 
     return GptOssConfig(**BASE, head_dim=64, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
-                        num_hidden_layers=layers, sliding_window=4096, rope_scaling=GPT_OSS_ROPE)  # fmt: skip
+                        num_hidden_layers=layers, sliding_window=4096, rope_scaling=dict(GPT_OSS_ROPE))  # fmt: skip
 
 
 CONFIGS = {
