@@ -79,9 +79,7 @@ def kimi(tmp_path_factory, smollm2) -> Path:
     return build_kimi_k25(tmp_path_factory.mktemp("kimi-k25"), smollm2, layers=61, hidden=64, std=0.02)
 
 
-# Releases whose own KimiK25Config vLLM registers (0.20-0.22 here) build the release's image processor, which is
-# remote code the tiny folder lacks; eagle-extract tokenizes in its own process, so the engine needs no tokenizer.
-KIMI_LAYERS = ("--layers", "2,30,58", "--engine-arg", "skip_tokenizer_init=true")
+KIMI_LAYERS = ("--layers", "2,30,58")
 
 
 @pytest.fixture(scope="module")
