@@ -6,6 +6,8 @@ once per session through the real CLI and its output is shared by the tests.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -63,19 +65,22 @@ NEEDS_TRANSFORMERS = {"kimi_k25": ("Kimi_K25Config", "the Kimi-K2.5 config class
 NEEDS_ENGINE_ARG = {"test_kimi_k25": "language_model_only", "test_aria": "language_model_only"}
 
 
-def pytest_collection_modifyitems(config, items):
-    import dataclasses
-
-    import transformers
+@functools.cache
+def engine_arg_names() -> frozenset[str]:
     from vllm.engine.arg_utils import EngineArgs
 
-    engine_args = {f.name for f in dataclasses.fields(EngineArgs)}
+    return frozenset(f.name for f in dataclasses.fields(EngineArgs))
+
+
+def pytest_collection_modifyitems(config, items):
+    import transformers
+
     for item in items:
         for fragment, (name, what) in NEEDS_TRANSFORMERS.items():
             if fragment in item.nodeid and not hasattr(transformers, name):
                 item.add_marker(pytest.mark.skip(reason=f"transformers {transformers.__version__} lacks {what}"))
         for fragment, arg in NEEDS_ENGINE_ARG.items():
-            if fragment in item.nodeid and arg not in engine_args:
+            if fragment in item.nodeid and arg not in engine_arg_names():  # imports vLLM only here
                 item.add_marker(pytest.mark.skip(reason=f"vllm {RELEASE} has no {arg} engine argument"))
         for fragment, by_release in VLLM_RELEASE_FAILURES.items():
             if fragment in item.nodeid and RELEASE in by_release:
