@@ -355,14 +355,7 @@ def kimi_checks(work: Path, data: Path, layers: int = 6) -> None:
     check(f"kimi-k2.5 text widths, {layers} layers, dummy bf16, TP=2, CLI + verify", cli_run)
 
     def bench():
-        figures = work / "kimi-bench.json"
-        cmd = [sys.executable, "benchmarks/throughput.py", "--model", str(model), "--dummy", "--tp", "2", "--layers",
-               aux, "--prompts", "32", "--prompt-len", "2048", "--reps", "3", "--out", str(work / "kimi-bench"),
-               "--json", str(figures)]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env("0,1"), cwd=REPO)
-        if proc.returncode != 0:
-            raise RuntimeError((proc.stdout + proc.stderr)[-3000:])
-        f = json.loads(figures.read_text())
+        f = bench_figures(model, work, aux, "kimi-bench", "--tp", "2", "--prompts", "32", gpus="0,1")
         return True, (
             f"b/a {sorted(f['ratios'])[1]:.3f} ({min(f['ratios']):.3f}-{max(f['ratios']):.3f}); plain "
             f"{sorted(f['plain_tok_s'])[1]:,.0f} tok/s; {f['bytes_per_token']:,.0f} B/token; "
@@ -401,13 +394,12 @@ def engine_log_lines(log: str) -> str:
     return "; ".join(dict.fromkeys(lines))
 
 
-def bench_figures(model: Path, work: Path, aux: str, tag: str, prompts: int = 64) -> dict:
-    """benchmarks/throughput.py on one GPU: plain prefill, then bf16 and FP8 storage, fsynced, 3 repetitions."""
+def bench_figures(model: Path, work: Path, aux: str, tag: str, *args: str, gpus: str = "0") -> dict:
+    """benchmarks/throughput.py on dummy weights, 2,048-token prompts, 3 repetitions, plus `args`."""
     figures = work / f"{tag}.json"
     cmd = [sys.executable, "benchmarks/throughput.py", "--model", str(model), "--dummy", "--layers", aux,
-           "--prompts", str(prompts), "--prompt-len", "2048", "--reps", "3", "--storage-dtypes", "model,fp8",
-           "--sync", "--engine-arg", "language_model_only=true", "--out", str(work / tag), "--json", str(figures)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env("0"), cwd=REPO)
+           "--prompt-len", "2048", "--reps", "3", "--out", str(work / tag), "--json", str(figures), *args]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(gpus), cwd=REPO)
     print(proc.stdout[-3000:], flush=True)
     if proc.returncode != 0:
         raise RuntimeError(root_cause(proc.stdout + proc.stderr))
@@ -426,6 +418,10 @@ def bench_detail(f: dict) -> str:
         f"{max(f['plain_tok_s']):,.0f}); {runs}; disk {statistics.median(f['disk_GBps']):.2f} GB/s; "
         f"peak RSS {f['peak_rss_GiB']:.1f} GiB; start {f['engine_start_s']} s; GPU memory held {f['gpu_memory']}"
     )
+
+
+# Plain prefill, then bf16 and FP8 rows timed until they are on the disk, on the wrapper's language model.
+SYNCED = ("--prompts", "64", "--storage-dtypes", "model,fp8", "--sync", "--engine-arg", "language_model_only=true")
 
 
 def kimi_int4_checks(work: Path, data: Path, cli: bool, timed: bool, layers: int = 12) -> None:
@@ -468,7 +464,7 @@ def kimi_int4_checks(work: Path, data: Path, cli: bool, timed: bool, layers: int
               cli_run)  # fmt: skip
 
     def bench():
-        return True, bench_detail(bench_figures(model, work, aux, f"kimi-int4-{layers}l"))
+        return True, bench_detail(bench_figures(model, work, aux, f"kimi-int4-{layers}l", *SYNCED))
 
     if timed:
         check(f"kimi-k2.5 INT4, {layers} layers, TP=1: extract (bf16, FP8) vs plain prefill, fsynced", bench)
@@ -480,7 +476,7 @@ def kimi_int4_vs_bf16_checks(work: Path, layers: int = 4) -> None:
         model = kimi_release(work, layers, int4=int4)
 
         def bench(model=model):
-            return True, bench_detail(bench_figures(model, work, "1,2,3", f"bench-{model.name}"))
+            return True, bench_detail(bench_figures(model, work, "1,2,3", f"bench-{model.name}", *SYNCED))
 
         check(f"kimi-k2.5 {'INT4' if int4 else 'bf16'} experts, {layers} layers, TP=1: extract vs plain", bench)
 
