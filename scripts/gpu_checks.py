@@ -76,7 +76,9 @@ def child_env(gpus: str) -> dict:
     return {**os.environ, "CUDA_VISIBLE_DEVICES": visible(gpus), "PYTHONPATH": path}
 
 
-def extract(model: Path, data: Path, out: Path, *args: str, gpus: str = "0", env: dict | None = None) -> tuple[int, str]:
+def extract(
+    model: Path, data: Path, out: Path, *args: str, gpus: str = "0", env: dict | None = None
+) -> tuple[int, str]:
     env = {**child_env(gpus), **(env or {})}
     cmd = [
         sys.executable,

@@ -25,7 +25,8 @@ from .tiny_models import BASE
 # fails otherwise, fails the run.  No eagle-extract code path depends on the release.
 FA_UTILS = ("the CPU MLA backend imports a function its fa_utils lacks", "compile_flash_attn_varlen_func_from_specs")
 NO_CPU_MLA = ("its CPU platform has no MLA attention backend", "MLA is not supported on CPU")
-ARIA_LOADER = ("the Aria mapper's experts.gate_up_proj.weight is refused by the MoE loader", "experts.gate_up_proj.weight")
+ARIA_LOADER = ("the Aria mapper's experts.gate_up_proj.weight is refused by the MoE loader",
+               "experts.gate_up_proj.weight")  # fmt: skip
 NO_CPU_MLA_RELEASES = dict.fromkeys(
     ("0.16.0", "0.17.1", "0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0"), NO_CPU_MLA
 )
