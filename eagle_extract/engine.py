@@ -151,7 +151,9 @@ def _vllm_version() -> str:
 def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
     """vllm.LLM for `cfg`: the options that are engine arguments, --engine-arg, and FIXED_ARGS."""
     extra = cfg.engine_kwargs()  # checked by preflight.check_options
-    if not cfg.regenerate:  # eagle-extract tokenizes; an engine tokenizer would only load (with a wrapper's processor)
+    if extra.get("language_model_only") and not cfg.regenerate:
+        # eagle-extract tokenizes itself; without a tokenizer the engine builds no multimodal processor, which
+        # for a wrapper can be the release's remote code (Kimi-K2.5's image processor on vLLM 0.20-0.23)
         extra = {"skip_tokenizer_init": True, **extra}
     before = {k: os.environ.get(k) for k in _PER_RUN}
     prepare_environment(cfg.tp, cfg.pp, cfg.dtype)

@@ -129,6 +129,11 @@ def check_options(cfg: ExtractConfig) -> None:
             "--overwrite cannot be combined with --shard (it would delete the other shards' work); "
             "empty the output folder once before starting the shards"
         )
+    if cfg.regenerate and cfg.engine_args.get("skip_tokenizer_init"):
+        raise ExtractError(
+            "--regenerate reads the engine's answers as text, so the engine needs its tokenizer; "
+            "drop --engine-arg skip_tokenizer_init=true"
+        )
     if cfg.shard and cfg.regenerate:
         raise ExtractError(
             "--regenerate cannot be combined with --shard yet; regenerate in one run, or shard its "

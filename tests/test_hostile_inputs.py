@@ -152,6 +152,10 @@ def _cases(tmp, model):
         ("a shard that does not exist", ["--shard", "2/2"]),
         ("a host-memory budget of nothing", ["--host-memory", "0"]),
         (f"{B}--overwrite{B} with {B}--shard{B}", ["--shard", "0/2", "--overwrite"]),
+        (
+            f"{B}--regenerate{B} with an engine that has no tokenizer",
+            ["--regenerate", "--engine-arg", "skip_tokenizer_init=true"],
+        ),
         (f"{B}--regenerate{B} with {B}--shard{B}", ["--shard", "0/2", "--regenerate"]),
         (f"{B}--regenerate{B} with a length the context cannot hold", ["--regenerate", "--seq-length", "10000"]),
         (
