@@ -227,7 +227,7 @@ def main() -> None:
     from transformers import AutoConfig
     from vllm import SamplingParams, TokensPrompt
 
-    from eagle_extract.cli import _engine_args
+    from eagle_extract.cli import parse_engine_args
     from eagle_extract.config import ExtractConfig
     from eagle_extract.engine import start_engine
     from eagle_extract.layers import parse_layer_ids
@@ -241,7 +241,7 @@ def main() -> None:
     ]
     tokens = args.prompts * args.prompt_len
     hf = transformers_baseline(args, prompts, aux + [text.num_hidden_layers]) if args.transformers else []
-    extra = {"skip_tokenizer_init": True, **_engine_args(None, None, tuple(args.engine_arg))}
+    extra = {"skip_tokenizer_init": True, **parse_engine_args(tuple(args.engine_arg))}
     if args.dummy:
         extra["load_format"] = "dummy"
     if args.builtin:  # two engines side by side on the same GPUs

@@ -17,7 +17,8 @@ from .writer import MANIFEST
 D = ExtractConfig()  # the defaults, shared with the API
 
 
-def _engine_args(ctx, param, pairs: tuple[str, ...]) -> dict:
+def parse_engine_args(pairs: tuple[str, ...]) -> dict:
+    """KEY=VALUE pairs as engine keyword arguments, each VALUE parsed as JSON when it can be."""
     args = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -32,8 +33,8 @@ def _engine_args(ctx, param, pairs: tuple[str, ...]) -> dict:
 
 def engine_arg_option(help: str):
     """--engine-arg KEY=VALUE, repeatable, VALUE parsed as JSON when it can be; gathered as the engine_args dict."""
-    return click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE", callback=_engine_args,
-                        help=help)  # fmt: skip
+    return click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
+                        callback=lambda ctx, param, pairs: parse_engine_args(pairs), help=help)  # fmt: skip
 
 
 class _ExtractByDefault(click.Group):
