@@ -104,12 +104,20 @@ def root_cause(log: str) -> str:
     return " | ".join(dict.fromkeys(causes[:1] + lines[-1:])) or "no output"
 
 
-def extracted(model: Path, data: Path, out: Path, *args: str, gpus: str = "0") -> Path:
+def extracted(model: Path, data: Path, out: Path, *args: str, gpus: str = "0", env: dict | None = None) -> Path:
     """`extract`, raising the run's root cause when it fails."""
-    rc, log = extract(model, data, out, *args, gpus=gpus)
+    rc, log = extract(model, data, out, *args, gpus=gpus, env=env)
     if rc != 0:
         raise RuntimeError(root_cause(log))
     return out
+
+
+def verified(out: Path) -> tuple[bool, str]:
+    """`eagle-extract verify OUT`: whether it passed, and its last line."""
+    proc = subprocess.run([sys.executable, "-m", "eagle_extract", "verify", str(out)], capture_output=True, text=True,
+                          cwd=REPO)  # fmt: skip
+    text = proc.stdout.strip()
+    return proc.returncode == 0, text.splitlines()[-1] if text else proc.stderr[-300:]
 
 
 def rows_compared(a: Path, b: Path) -> tuple[float, int, bool, int]:
@@ -340,18 +348,15 @@ def kimi_checks(work: Path, data: Path, layers: int = 6) -> None:
 
     def cli_run():
         t0 = time.perf_counter()
-        rc, log = extract(model, data, out, "--tp", "2", "--layers", aux, "--dtype", "bfloat16", *dummy, gpus="0,1")
-        if rc != 0:
-            raise RuntimeError(log)
+        extracted(model, data, out, "--tp", "2", "--layers", aux, "--dtype", "bfloat16", *dummy, gpus="0,1")
         manifest = json.loads((out / "eagle_extract.json").read_text())
         row = load_row(out, 0)["hidden_states"]
-        verify = subprocess.run([sys.executable, "-m", "eagle_extract", "verify", str(out)], capture_output=True,
-                                text=True, cwd=REPO)  # fmt: skip
+        passed, said = verified(out)
         slots = manifest["slot_layer_ids"]
-        ok = verify.returncode == 0 and tuple(row.shape[1:]) == (4, 7168) and slots == [1, 2, 4, layers]
+        ok = passed and tuple(row.shape[1:]) == (4, 7168) and slots == [1, 2, 4, layers]
         return ok, (
             f"{time.perf_counter() - t0:.0f} s end to end; row 0 {list(row.shape)} {row.dtype}; slots {slots}; "
-            f"verify: {verify.stdout.strip().splitlines()[-1] if verify.stdout.strip() else verify.stderr[-300:]}"
+            f"verify: {said}"
         )
 
     check(f"kimi-k2.5 text widths, {layers} layers, dummy bf16, TP=2, CLI + verify", cli_run)
@@ -434,17 +439,14 @@ def kimi_int4_checks(work: Path, data: Path, cli: bool, timed: bool, layers: int
     def cli_run():
         t0 = time.perf_counter()
         info = {"VLLM_LOGGING_LEVEL": "INFO"}  # the run's log then names the MoE kernel and the KV cache
-        rc, log = extract(model, data, out, "--layers", aux, "--dtype", "bfloat16", *KIMI_ENGINE, env=info)
-        if rc != 0:
-            raise RuntimeError(root_cause(log))
+        extracted(model, data, out, "--layers", aux, "--dtype", "bfloat16", *KIMI_ENGINE, env=info)
         manifest = json.loads((out / "eagle_extract.json").read_text())
         capture = manifest["capture"]
         row = load_row(out, 0)["hidden_states"].float()
-        verify = subprocess.run([sys.executable, "-m", "eagle_extract", "verify", str(out)], capture_output=True,
-                                text=True, cwd=REPO)  # fmt: skip
+        passed, said = verified(out)
         per_slot = [f"{row[:, k].abs().max().item():.3g}" for k in range(row.shape[1])]
         ok = (
-            verify.returncode == 0
+            passed
             and tuple(row.shape[1:]) == (4, 7168)
             and manifest["slot_layer_ids"] == [2, layers // 2, layers - 3, layers]
             and capture["model_class"] == "KimiK25ForConditionalGeneration"
@@ -456,8 +458,7 @@ def kimi_int4_checks(work: Path, data: Path, cli: bool, timed: bool, layers: int
         return ok, (
             f"{time.perf_counter() - t0:.0f} s end to end; {manifest['num_samples']} rows, row 0 {list(row.shape)}; "
             f"slots {manifest['slot_layer_ids']}; {capture['model_class']} via {capture['decoder_path']}; "
-            f"{len(capture['stages'])} writing rank; max |state| per slot {per_slot}; verify: "
-            f"{verify.stdout.strip().splitlines()[-1] if verify.stdout.strip() else verify.stderr[-300:]}; "
+            f"{len(capture['stages'])} writing rank; max |state| per slot {per_slot}; verify: {said}; "
             f"vLLM: {engine_log_lines((out / 'eagle_extract.log').read_text())}"
         )
 
