@@ -11,7 +11,10 @@ from pathlib import Path
 
 from .runlog import terminal
 
-ENGINE_NAMES = ("VLLM", "Worker", "EngineCore")  # vLLM's process titles; Ray's workers are ray::RayWorkerWrapper
+ENGINE_NAMES = ("VLLM", "Worker", "EngineCore")  # vLLM's process titles; its Ray workers are ray::RayWorkerProc
+# Ray's own processes (its agents, idle workers): not watched, since idle workers come and go, but stopped with
+# the engine.  When the engine core dies, Ray's daemons go with it but its agents are left running.
+RAY_TITLE = "ray::"
 RESCAN_S = 5.0  # engine processes that start later (Ray's workers) are found by looking again
 HEARTBEAT_S = 5.0  # a worker touches the heartbeat file at most this often
 
@@ -38,6 +41,7 @@ class EngineWatch:
         self.note = None  # writes a line to the run's log
         self.heartbeat: Path | None = None
         self.procs: dict[int, object] = {}  # pid -> psutil.Process, every engine process seen
+        self.helpers: dict[int, object] = {}  # the same for Ray's own processes, stopped with the engine
         self._before: set[int] | None = None  # descendants that are not the engine's; None: no engine yet
         self._last: float | None = time.monotonic()
         self._seen_ns = 0  # the heartbeat's last mtime seen
@@ -70,13 +74,16 @@ class EngineWatch:
         if self._before is None:
             return
         for proc in psutil.Process().children(recursive=True):
-            if proc.pid in self.procs or proc.pid in self._before:
+            if proc.pid in self.procs or proc.pid in self.helpers or proc.pid in self._before:
                 continue
             try:
-                if any(n in " ".join([proc.name(), *proc.cmdline()]) for n in ENGINE_NAMES):
-                    self.procs[proc.pid] = proc
+                title = " ".join([proc.name(), *proc.cmdline()])
             except psutil.Error:
                 continue
+            if any(n in title for n in ENGINE_NAMES):
+                self.procs[proc.pid] = proc
+            elif RAY_TITLE in title:
+                self.helpers[proc.pid] = proc
 
     def _progress_at(self) -> float | None:
         """When the run last moved, on the monotonic clock: a beat, or a heartbeat touch seen since."""
@@ -143,7 +150,7 @@ class EngineWatch:
         import psutil
 
         self._scan()
-        alive = [p for p in self.procs.values() if _running(p)]
+        alive = [p for p in [*self.procs.values(), *self.helpers.values()] if _running(p)]
         for proc in alive:
             try:
                 proc.terminate()

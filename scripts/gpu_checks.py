@@ -546,7 +546,7 @@ def executor_checks(work: Path, backend: str = "ray", samples: int = 300) -> Non
                 time.sleep(0.05)
             engine = psutil.Process(proc.pid).children(recursive=True)
             titles = {p.pid: (" ".join(p.cmdline()) or p.name()).strip()[:60] for p in engine}
-            worker = next(p for p in engine if re.search(r"RayWorkerWrapper|VLLM::Worker", titles[p.pid]))
+            worker = next(p for p in engine if re.search(r"ray::RayWorker|VLLM::Worker", titles[p.pid]))
             t0 = time.time()
             worker.kill()
             proc.wait(timeout=120)

@@ -215,6 +215,32 @@ def test_engine_steps_count_as_progress_and_their_absence_as_a_stall(tmp_path):
     assert re.search(r"made no progress for \d+ s \(--stall-timeout 2\)", proc.stderr) and time.time() - t0 < 20
 
 
+RAY_LEFT = """
+import subprocess, sys, time
+from eagle_extract.watch import EngineWatch
+watch = EngineWatch()
+watch.expect_engine()
+titled = "import setproctitle, sys, time; setproctitle.setproctitle(sys.argv[1]); time.sleep(float(sys.argv[2]))"
+agent = subprocess.Popen([sys.executable, "-c", titled, "ray::RuntimeEnvAgent", "60"])
+worker = subprocess.Popen([sys.executable, "-c", titled, "ray::RayWorkerProc", "4"])
+time.sleep(2)  # both carry their titles now
+print(agent.pid, flush=True)
+watch.start()
+time.sleep(60)
+"""
+
+
+def test_a_dead_ray_worker_ends_the_run_and_takes_rays_agents_with_the_engine():
+    """vLLM's Ray workers (ray::RayWorkerProc) are watched like its own; Ray's agents are not watched but are
+    stopped with the engine: on one H200 (vLLM 0.22, Ray 2.60) a killed Ray worker ended the run in 3.5 s,
+    and Ray's DashboardAgent and RuntimeEnvAgent outlived it (docs/scaling.md)."""
+    proc = subprocess.run([sys.executable, "-c", RAY_LEFT], capture_output=True, text=True, timeout=60)
+    agent = int(proc.stdout.split()[0])
+    assert proc.returncode == 1 and "the vLLM engine failed (engine process" in proc.stderr, proc.stderr
+    time.sleep(1)  # the agent, orphaned now, is reaped by init
+    assert not psutil.pid_exists(agent) or psutil.Process(agent).status() == psutil.STATUS_ZOMBIE
+
+
 def test_one_output_folder_through_a_failure_a_rival_a_dead_worker_a_power_cut_a_rerun_and_overwrites(
     tmp_path, tiny_llama, mixed_conversations, tiny_tp1_out
 ):
