@@ -11,9 +11,9 @@ from pathlib import Path
 
 from .runlog import terminal
 
-ENGINE_NAMES = ("VLLM", "Worker", "EngineCore")  # vLLM's process titles; its Ray workers are ray::RayWorkerProc
+ENGINE_NAMES = ("VLLM", "Worker", "EngineCore")  # vLLM's process titles; Ray's workers: ray::RayWorkerProc/Wrapper
 # Ray's own processes (its agents, idle workers): not watched, since idle workers come and go, but stopped with
-# the engine.  When the engine core dies, Ray's daemons go with it but its agents are left running.
+# the engine.  On one H200 a killed Ray worker's engine core took the raylet with it; Ray's agents stayed.
 RAY_TITLE = "ray::"
 RESCAN_S = 5.0  # engine processes that start later (Ray's workers) are found by looking again
 HEARTBEAT_S = 5.0  # a worker touches the heartbeat file at most this often
@@ -29,8 +29,9 @@ class EngineWatch:
     engine step: the workers touch `heartbeat`, a file in this machine's temporary folder (never the
     output's filesystem, which may be the one that hangs; worker.eagle_heartbeat).  `stall_s` seconds
     without either (None: never) are a hang.  Engine processes are the descendants that appear after
-    `expect_engine()` and carry a vLLM process title: Ray's workers on this machine too, not those on
-    other nodes (a stall there is seen as a stall).  The watch's thread ends the process when it fails.
+    `expect_engine()` and carry a vLLM process title: Ray's workers too, when the engine started its own
+    Ray instance; not those of a Ray cluster started beforehand (`ray start`), on this node or others,
+    whose loss shows as vLLM's error or as a stall.  The watch's thread ends the process when it fails.
     """
 
     def __init__(self, stall_s: float | None = None, log_path=None) -> None:
@@ -73,6 +74,12 @@ class EngineWatch:
 
         if self._before is None:
             return
+        for pid, proc in list(self.helpers.items()):  # an idle Ray worker can become the engine's worker
+            try:
+                if any(n in " ".join(proc.cmdline()) for n in ENGINE_NAMES):
+                    self.procs[pid] = self.helpers.pop(pid)
+            except psutil.Error:
+                continue
         for proc in psutil.Process().children(recursive=True):
             if proc.pid in self.procs or proc.pid in self.helpers or proc.pid in self._before:
                 continue

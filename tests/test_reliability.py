@@ -216,13 +216,13 @@ def test_engine_steps_count_as_progress_and_their_absence_as_a_stall(tmp_path):
 
 
 RAY_LEFT = """
-import subprocess, sys, time
+import os, subprocess, sys, time
 from eagle_extract.watch import EngineWatch
 watch = EngineWatch()
 watch.expect_engine()
-titled = "import setproctitle, sys, time; setproctitle.setproctitle(sys.argv[1]); time.sleep(float(sys.argv[2]))"
-agent = subprocess.Popen([sys.executable, "-c", titled, "ray::RuntimeEnvAgent", "60"])
-worker = subprocess.Popen([sys.executable, "-c", titled, "ray::RayWorkerProc", "4"])
+titled = "import os, setproctitle, time; setproctitle.setproctitle(os.environ['T']); time.sleep(float(os.environ['S']))"
+agent = subprocess.Popen([sys.executable, "-c", titled], env={**os.environ, "T": "ray::RuntimeEnvAgent", "S": "60"})
+worker = subprocess.Popen([sys.executable, "-c", titled], env={**os.environ, "T": "ray::RayWorkerProc", "S": "4"})
 time.sleep(2)  # both carry their titles now
 print(agent.pid, flush=True)
 watch.start()
@@ -235,10 +235,15 @@ def test_a_dead_ray_worker_ends_the_run_and_takes_rays_agents_with_the_engine():
     stopped with the engine: on one H200 (vLLM 0.22, Ray 2.60) a killed Ray worker ended the run in 3.5 s,
     and Ray's DashboardAgent and RuntimeEnvAgent outlived it (docs/scaling.md)."""
     proc = subprocess.run([sys.executable, "-c", RAY_LEFT], capture_output=True, text=True, timeout=60)
-    agent = int(proc.stdout.split()[0])
-    assert proc.returncode == 1 and "the vLLM engine failed (engine process" in proc.stderr, proc.stderr
-    time.sleep(1)  # the agent, orphaned now, is reaped by init
-    assert not psutil.pid_exists(agent) or psutil.Process(agent).status() == psutil.STATUS_ZOMBIE
+    assert proc.stdout.strip().isdigit(), (proc.stdout, proc.stderr)
+    agent = int(proc.stdout)
+    try:
+        assert proc.returncode == 1 and "the vLLM engine failed (engine process" in proc.stderr, proc.stderr
+        time.sleep(1)  # the agent, orphaned now, is reaped by init
+        assert not _alive([psutil.Process(agent)]) if psutil.pid_exists(agent) else True
+    finally:
+        if psutil.pid_exists(agent):
+            psutil.Process(agent).kill()
 
 
 def test_one_output_folder_through_a_failure_a_rival_a_dead_worker_a_power_cut_a_rerun_and_overwrites(
