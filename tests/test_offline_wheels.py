@@ -54,3 +54,25 @@ def test_missing_or_damaged_piece_is_named(tmp_path, wheels):
     piece.unlink()
     with pytest.raises(SystemExit, match=r"big-1.0-py3-none-any.whl: piece\(s\) \[1\] missing"):
         offline_wheels.join(tmp_path / "pieces", tmp_path / "j2", lock)
+
+
+def test_join_takes_only_the_locked_wheels(tmp_path, wheels):
+    """One carry can hold two sets: a cut wheel of the other set (here, piece 1 of 3 missing) must not stop
+    this lock's join, and nothing of it is copied out."""
+    folder, lock = wheels
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "otherbig-2.0-py3-none-any.whl").write_bytes(os.urandom(2_600_000))
+    offline_wheels.split(folder, tmp_path / "pieces", max_mib=1)
+    extra = offline_wheels.split(other, tmp_path / "extra", max_mib=1)
+    for k, d in enumerate(extra, start=1):
+        for p in d.iterdir():
+            if not p.name.endswith(".001"):
+                (tmp_path / "pieces" / f"p{k + 10}").mkdir(exist_ok=True)
+                p.rename(tmp_path / "pieces" / f"p{k + 10}" / p.name)
+    joined = offline_wheels.join(tmp_path / "pieces", tmp_path / "joined", lock)
+    assert sorted(p.name for p in (tmp_path / "joined").iterdir()) == sorted(p.name for p in joined)
+    assert len(joined) == 3
+    with pytest.raises(SystemExit, match=r"otherbig-2.0-py3-none-any.whl: piece\(s\) \[1\] missing"):
+        (tmp_path / "otherlock").write_text(f"otherbig==2.0 --hash=sha256:{'0' * 64}  # otherbig-2.0-py3-none-any.whl\n")
+        offline_wheels.join(tmp_path / "pieces", tmp_path / "j2", tmp_path / "otherlock")
