@@ -120,7 +120,7 @@ def build(target: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
         tokenizer.save_pretrained(tmp)
-        _readable_by_transformers_4(tmp)
+        _read_alike_by_transformers_4_and_5(tmp)
         (tmp / "generation_config.json").write_text(
             json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}, indent=2)
         )
@@ -131,15 +131,17 @@ def build(target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _readable_by_transformers_4(folder: Path) -> None:
-    """What transformers 5 writes that transformers 4 (what vLLM releases before 0.19 take) reads otherwise:
-    RoPE's theta only inside `rope_parameters` (transformers 4 would run RoPE at its default theta, another
-    model), and the tokenizer class by its new name (which transformers 4 refuses)."""
+def _read_alike_by_transformers_4_and_5(folder: Path) -> None:
+    """What the GGUF conversion writes that one transformers generation reads as another model: RoPE's
+    theta only inside `rope_parameters` (transformers 4 would run RoPE at its default theta), and the
+    tokenizer's class. As `LlamaTokenizer`, transformers 5 rebuilds the tokenizer without tokenizer.json's
+    byte-level pre-tokenizer and drops every space and newline ("You are" becomes "Youare"); transformers
+    4 refuses `TokenizersBackend`. As `PreTrainedTokenizerFast`, both read tokenizer.json as written."""
     config = json.loads((folder / "config.json").read_text())
     if "rope_theta" not in config:
         write_json(folder / "config.json", {**config, "rope_theta": config["rope_parameters"]["rope_theta"]})
     tokenizer = json.loads((folder / "tokenizer_config.json").read_text())
-    if tokenizer.get("tokenizer_class") == "TokenizersBackend":  # both read the older name
+    if tokenizer.get("tokenizer_class") != "PreTrainedTokenizerFast":
         write_json(folder / "tokenizer_config.json", {**tokenizer, "tokenizer_class": "PreTrainedTokenizerFast"})
 
 
@@ -148,7 +150,7 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     target = root / MODEL_NAME
     if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
-        _readable_by_transformers_4(target)  # a cache an earlier release built is not
+        _read_alike_by_transformers_4_and_5(target)  # a cache an earlier release built is not
         return target
     root.mkdir(parents=True, exist_ok=True)
     build(target)

@@ -25,6 +25,46 @@ def _compare_with_transformers(out, model_path, tolerance, per_sample=True):
     return worst
 
 
+def _texts_of_the_bundled_conversations(count: int = 60) -> list[str]:
+    from eagle_extract.config import bundled_data
+
+    rows = json.loads(bundled_data().read_text())
+    texts = [turn["value"] for row in rows for turn in row["conversations"]]
+    return texts[:count] + ["  two spaces,\nnew line\t tab  ", "hello world"]
+
+
+def _same_reading(tokenizer_folder) -> None:
+    """transformers' reading of a tokenizer against the tokenizers library's reading of its tokenizer.json."""
+    import tokenizers
+    from transformers import AutoTokenizer
+
+    raw = tokenizers.Tokenizer.from_file(str(tokenizer_folder / "tokenizer.json"))
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_folder))
+    for text in _texts_of_the_bundled_conversations():
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids == raw.encode(text, add_special_tokens=False).ids, text
+        assert tok.decode(ids) == text
+
+
+def test_bundled_tokenizer_reads_as_its_tokenizer_json_says(smollm2):
+    """The GGUF conversion's tokenizer class once made transformers 5 drop every space and newline."""
+    _same_reading(smollm2)
+
+
+def test_a_cached_smollm2_with_the_old_tokenizer_class_is_repaired_on_use(tmp_path, smollm2):
+    from eagle_extract.smollm2 import MODEL_NAME, ensure_smollm2
+
+    cached = tmp_path / MODEL_NAME
+    cached.mkdir()
+    for f in smollm2.iterdir():
+        (cached / f.name).symlink_to(f) if f.name == "model.safetensors" else (cached / f.name).write_bytes(f.read_bytes())
+    settings = json.loads((cached / "tokenizer_config.json").read_text())
+    (cached / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": "LlamaTokenizer"}))
+    assert ensure_smollm2(tmp_path) == cached
+    assert json.loads((cached / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    _same_reading(cached)
+
+
 def test_smollm2_fp32_matches_transformers(smollm2_fp32_out, smollm2):
     manifest = read_manifest(smollm2_fp32_out)
     assert manifest["slot_layer_ids"] == [0, 2, 15, 27, 29, 30]

@@ -60,10 +60,15 @@ GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
                 "original_max_position_embeddings": 4096}  # fmt: skip
 
 
+# Special tokens of GPT-OSS's own (harmony) tokenizer, appended to SmolLM2's vocabulary: vLLM 0.18 builds
+# GPT-OSS's reasoning parser when the engine starts, and it looks them up (`KeyError: '<|end|>'` without).
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>")
+
+
 def gpt_oss_config(layers: int):
     from transformers import GptOssConfig
 
-    return GptOssConfig(**BASE, head_dim=64, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
+    return GptOssConfig(**{**BASE, "vocab_size": BASE["vocab_size"] + len(HARMONY_TOKENS)}, head_dim=64, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
                         num_hidden_layers=layers, sliding_window=4096, rope_scaling=dict(GPT_OSS_ROPE))  # fmt: skip
 
 
@@ -191,4 +196,20 @@ def build_text_twin(config, path: Path, tokenizer: Path, seed: int, std: float =
         save_file({k: v.to(torch.bfloat16) for k, v in extra.items()}, str(path / "extra.safetensors"))
         _add_to_index(path, extra)
     copy_tokenizer(tokenizer, path)
+    if config.model_type == "gpt_oss":
+        _add_special_tokens(path, HARMONY_TOKENS)
     return path
+
+
+def _add_special_tokens(path: Path, tokens: tuple[str, ...]) -> None:
+    """Append special tokens after the copied tokenizer's vocabulary, in both files transformers reads."""
+    fast, config = path / "tokenizer.json", path / "tokenizer_config.json"
+    data, settings = json.loads(fast.read_text()), json.loads(config.read_text())
+    first = max(len(data["model"]["vocab"]), 1 + max(t["id"] for t in data["added_tokens"]))
+    for k, token in enumerate(tokens):
+        entry = {"content": token, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+                 "special": True}  # fmt: skip
+        data["added_tokens"].append({"id": first + k, **entry})
+        settings.setdefault("added_tokens_decoder", {})[str(first + k)] = entry
+    fast.write_text(json.dumps(data, ensure_ascii=False))
+    config.write_text(json.dumps(settings, indent=1, ensure_ascii=False))
