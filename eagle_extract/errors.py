@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
+
+from .runlog import START
 
 
 class ExtractError(Exception):
@@ -11,9 +15,10 @@ class ExtractError(Exception):
 
 
 @contextmanager
-def engine_errors():
+def engine_errors(log_path=None):
     """Inside, anything but an ExtractError is the engine's failure, or (raised in eagle-extract's own
-    code) eagle-extract's bug, said in one line; the traceback stays chained for the run's log."""
+    code) eagle-extract's bug, said in one line; the traceback stays chained for the run's log, whose
+    path lets the line name what an engine process died of."""
     try:
         yield
     except ExtractError:
@@ -25,7 +30,7 @@ def engine_errors():
                 f"eagle-extract failed ({type(exc).__name__}: {said}): a bug, please report it with the traceback "
                 "in the run's log; every completed row is kept, and rerunning the same command resumes"
             ) from exc
-        raise engine_failed(exc) from exc
+        raise engine_failed(exc, log_path) from exc
 
 
 def _raised_in_eagle_extract(exc: Exception) -> bool:
@@ -35,12 +40,40 @@ def _raised_in_eagle_extract(exc: Exception) -> bool:
     return tb is not None and Path(tb.tb_frame.f_code.co_filename).parent == Path(__file__).parent
 
 
-def engine_failed(exc: Exception) -> ExtractError:
+def engine_failed(exc: Exception, log_path=None) -> ExtractError:
     """The engine or a worker died: one line, and every completed row is kept.  A multi-line message
-    (a pydantic ValidationError of vLLM's config names the field on its second line) is joined."""
+    (a pydantic ValidationError of vLLM's config names the field on its second line) is joined; vLLM's
+    "See root cause above" is replaced by that cause, read from the run's log."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     said = " ".join(line for line in lines if not line.startswith("For further information")) or "no message"
+    what = f"{type(exc).__name__}: {said}"
+    if "See root cause above" in said:
+        what = _engine_process_error(log_path) or what
     return ExtractError(
-        f"the vLLM engine failed ({type(exc).__name__}: {said[:400]}); "
+        f"the vLLM engine failed ({what[:400]}); "
         "every completed row is kept: fix the cause and rerun the same command to resume"
     )
+
+
+# An exception as an engine process logs it: "(EngineCore pid=7) ValueError: ...", or with vLLM's
+# "ERROR 12-03 08:34:02 [core.py:1231] " between; workers' lines start "(Worker pid=...)" and the like.
+_LOGGED_ERROR = re.compile(
+    r"^\((?:EngineCore|\w*Worker)[^)]*\)\s+(?:ERROR [^\]]*\]\s+)?([\w.]*(?:Error|Exception): .+)$"
+)
+
+
+def _engine_process_error(log_path) -> str | None:
+    """The last exception an engine process wrote to the run's log (its last 256 KiB) since this run
+    started there (a resumed run appends to the log of the runs before it), if any."""
+    if log_path is None:
+        return None
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 2**18))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    tail = tail.rsplit(f" eagle-extract: {START}", 1)[-1]
+    logged = [m.group(1) for line in tail.splitlines() if (m := _LOGGED_ERROR.match(line.strip()))]
+    logged = [e for e in logged if "See root cause above" not in e]
+    return logged[-1] if logged else None

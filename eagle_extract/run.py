@@ -118,7 +118,7 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
     try:
         if records is not None:
             out.prepare_output(output, plan.identity, cfg.overwrite)
-            with engine_errors():
+            with engine_errors(run_log.path):
                 t0 = time.perf_counter()
                 watch.expect_engine()
                 llm = start_engine(cfg, cfg.seq_length + 1)
@@ -157,11 +157,11 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
             _wait_for_stream(store, log)
         tally = {"kept": kept, "waited_s": 0.0}
         batches = _todo(plan, store, done, checked, watch, tally)
-        with engine_errors():  # the stream's failures are one line here too
+        with engine_errors(run_log.path):  # the stream's failures are one line here too
             first_batch = next(batches, None)  # None: nothing to write (a rerun of a finished shard, say): no engine
         stats, extract_s, handed, tokens, pending = {}, 0.0, 0, 0, set()
         if first_batch is not None:
-            with engine_errors():
+            with engine_errors(run_log.path):
                 if llm is None:
                     t0 = time.perf_counter()
                     watch.expect_engine()

@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 
+START = "start: "  # each run's first line in the log, after the stamp: where its part of the log begins
 _terminal = None  # the terminal's stderr while a RunLog holds fds 1 and 2, for progress()
 
 
@@ -68,7 +69,7 @@ class RunLog:
     def __enter__(self) -> RunLog:
         global _terminal
         self._file = open(self.path, "a", buffering=1)
-        self.note(f"start: {' '.join(sys.argv)} (pid {os.getpid()})")
+        self.note(f"{START}{' '.join(sys.argv)} (pid {os.getpid()})")
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         self._saved = [(fd, os.dup(fd)) for fd in (1, 2)]

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .atomic import write_json
+from .errors import ExtractError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -136,13 +137,24 @@ def _read_alike_by_transformers_4_and_5(folder: Path) -> None:
     theta only inside `rope_parameters` (transformers 4 would run RoPE at its default theta), and the
     tokenizer's class. As `LlamaTokenizer`, transformers 5 rebuilds the tokenizer without tokenizer.json's
     byte-level pre-tokenizer and drops every space and newline ("You are" becomes "Youare"); transformers
-    4 refuses `TokenizersBackend`. As `PreTrainedTokenizerFast`, both read tokenizer.json as written."""
+    4 refuses `TokenizersBackend`. As `PreTrainedTokenizerFast`, both read tokenizer.json as written, so
+    its decoder must be the byte-level one alone: the conversion puts SentencePiece steps before it, which
+    garble any decoded text holding an added token that is not byte-level ("<｜end▁of▁sentence｜>")."""
     config = json.loads((folder / "config.json").read_text())
     if "rope_theta" not in config:
         write_json(folder / "config.json", {**config, "rope_theta": config["rope_parameters"]["rope_theta"]})
-    tokenizer = json.loads((folder / "tokenizer_config.json").read_text())
-    if tokenizer.get("tokenizer_class") != "PreTrainedTokenizerFast":
+    fast = json.loads((folder / "tokenizer.json").read_text())
+    decoder = fast.get("decoder") or {}
+    byte_level = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
+    if decoder.get("type") == "Sequence" and byte_level:
+        write_json(folder / "tokenizer.json", {**fast, "decoder": byte_level[0]})
+    if _tokenizer_class(folder) != "PreTrainedTokenizerFast":
+        tokenizer = json.loads((folder / "tokenizer_config.json").read_text())
         write_json(folder / "tokenizer_config.json", {**tokenizer, "tokenizer_class": "PreTrainedTokenizerFast"})
+
+
+def _tokenizer_class(folder: Path) -> str | None:
+    return json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
 
 
 def ensure_smollm2(cache_dir: Path | None = None) -> Path:
@@ -150,7 +162,15 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     target = root / MODEL_NAME
     if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
-        _read_alike_by_transformers_4_and_5(target)  # a cache an earlier release built is not
+        try:
+            _read_alike_by_transformers_4_and_5(target)  # a cache an earlier release built is not
+        except OSError as exc:
+            if _tokenizer_class(target) != "PreTrainedTokenizerFast":  # not a run beside this one repairing it
+                raise ExtractError(
+                    f"the cached SmolLM2 at {target} needs its tokenizer files rewritten (as they are, transformers "
+                    f"5 drops every space), which failed ({exc.strerror or exc}): make the folder writable, or point "
+                    "EAGLE_EXTRACT_CACHE at a writable folder to build it there"
+                ) from exc
         return target
     root.mkdir(parents=True, exist_ok=True)
     build(target)

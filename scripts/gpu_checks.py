@@ -39,6 +39,7 @@ Prints one table and writes it, with every figure, to OUT/gpu_checks.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -140,7 +141,8 @@ def check(name: str, fn) -> None:
     except Exception as exc:  # one failing check must not hide the others
         ok, detail = False, f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
-    if DEVICE == "cuda":  # a reference model's freed memory, still cached here, would starve the next engine
+    if DEVICE == "cuda":  # a reference model held here (its hooks make a cycle) would starve the next engine
+        gc.collect()
         torch.cuda.empty_cache()
     RESULTS.append({"check": name, "ok": bool(ok), "detail": detail, "seconds": round(time.perf_counter() - t0, 1)})
     print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)

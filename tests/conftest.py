@@ -30,7 +30,8 @@ ARIA_LOADER = ("the Aria mapper's experts.gate_up_proj.weight is refused by the 
 GPT_OSS_LOADER = ("its GPT-OSS loader looks up an expert weight the bf16 checkpoint's names do not give",
                   "KeyError: 'layers.0.mlp.experts.w2_weight'")  # fmt: skip
 NO_CPU_MLA_RELEASES = dict.fromkeys(
-    ("0.16.0", "0.17.1", "0.18.1", "0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.1"),
+    ("0.16.0", "0.17.1", "0.18.1", "0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0",
+     "0.27.1"),
     NO_CPU_MLA,
 )
 VLLM_RELEASE_FAILURES = {  # test id fragment -> {release: (what fails inside vLLM, a phrase of the run's log)}

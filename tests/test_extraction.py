@@ -8,6 +8,7 @@ import pytest
 import torch
 from datasets import load_from_disk
 
+from eagle_extract import ExtractError
 from eagle_extract.writer import read_manifest
 
 from .common import AVX512, Reference, compare_with_reference, load_row, rel_err
@@ -30,7 +31,8 @@ def _texts_of_the_bundled_conversations(count: int = 60) -> list[str]:
 
     rows = json.loads(bundled_data().read_text())
     texts = [turn["value"] for row in rows for turn in row["conversations"]]
-    return texts[:count] + ["  two spaces,\nnew line\t tab  ", "hello world"]
+    edges = ["  two spaces,\nnew line\t tab  ", "hello world", "naïve café — 東京, ünïcödé 😀 ?!"]
+    return texts[:count] + edges
 
 
 def _same_reading(tokenizer_folder) -> None:
@@ -43,7 +45,10 @@ def _same_reading(tokenizer_folder) -> None:
     for text in _texts_of_the_bundled_conversations():
         ids = tok.encode(text, add_special_tokens=False)
         assert ids == raw.encode(text, add_special_tokens=False).ids, text
-        assert tok.decode(ids) == text
+        assert tok.decode(ids, clean_up_tokenization_spaces=False) == text
+    tok.add_special_tokens({"additional_special_tokens": ["<｜User｜>", "<｜end▁of▁sentence｜>"]})
+    marked = "Be brief.<｜User｜>Hi<｜end▁of▁sentence｜>"  # DeepSeek's markers, which are not byte-level
+    assert tok.decode(tok.encode(marked, add_special_tokens=False), clean_up_tokenization_spaces=False) == marked
 
 
 def test_bundled_tokenizer_reads_as_its_tokenizer_json_says(smollm2):
@@ -57,11 +62,21 @@ def test_a_cached_smollm2_with_the_old_tokenizer_class_is_repaired_on_use(tmp_pa
     cached = tmp_path / MODEL_NAME
     cached.mkdir()
     for f in smollm2.iterdir():
-        (cached / f.name).symlink_to(f) if f.name == "model.safetensors" else (cached / f.name).write_bytes(f.read_bytes())
-    settings = json.loads((cached / "tokenizer_config.json").read_text())
+        if f.name not in ("tokenizer_config.json", "tokenizer.json"):
+            (cached / f.name).symlink_to(f)
+    settings = json.loads((smollm2 / "tokenizer_config.json").read_text())
     (cached / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": "LlamaTokenizer"}))
+    fast = json.loads((smollm2 / "tokenizer.json").read_text())
+    steps = [{"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}]
+    converted = {"type": "Sequence", "decoders": [*steps, fast["decoder"]]}  # the decoder as the conversion wrote it
+    (cached / "tokenizer.json").write_text(json.dumps({**fast, "decoder": converted}))
+    (cached / ".tokenizer_config.json.tmp").mkdir()  # where the rewrite goes first: it cannot be written
+    with pytest.raises(ExtractError, match=f"the cached SmolLM2 at {cached} needs its tokenizer files rewritten"):
+        ensure_smollm2(tmp_path)
+    (cached / ".tokenizer_config.json.tmp").rmdir()
     assert ensure_smollm2(tmp_path) == cached
     assert json.loads((cached / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert json.loads((cached / "tokenizer.json").read_text())["decoder"] == fast["decoder"]
     _same_reading(cached)
 
 

@@ -73,6 +73,23 @@ def test_join_takes_only_the_locked_wheels(tmp_path, wheels):
     joined = offline_wheels.join(tmp_path / "pieces", tmp_path / "joined", lock)
     assert sorted(p.name for p in (tmp_path / "joined").iterdir()) == sorted(p.name for p in joined)
     assert len(joined) == 3
+    (tmp_path / "otherlock").write_text(f"otherbig==2.0 --hash=sha256:{'0' * 64}  # otherbig-2.0-py3-none-any.whl\n")
     with pytest.raises(SystemExit, match=r"otherbig-2.0-py3-none-any.whl: piece\(s\) \[1\] missing"):
-        (tmp_path / "otherlock").write_text(f"otherbig==2.0 --hash=sha256:{'0' * 64}  # otherbig-2.0-py3-none-any.whl\n")
         offline_wheels.join(tmp_path / "pieces", tmp_path / "j2", tmp_path / "otherlock")
+
+
+def test_a_wheel_cut_by_two_splits_is_named_unless_it_is_already_whole(tmp_path, wheels):
+    folder, lock = wheels
+    offline_wheels.split(folder, tmp_path / "a", max_mib=1)
+    offline_wheels.split(folder, tmp_path / "b", max_mib=1.5)
+    pieces = tmp_path / "pieces"
+    pieces.mkdir()
+    for k, d in enumerate([*sorted((tmp_path / "a").iterdir()), *sorted((tmp_path / "b").iterdir())], start=1):
+        d.rename(pieces / f"p{k}")
+    twice = r"big-1.0-py3-none-any.whl: pieces of two splits \(big-1.0-py3-none-any.whl.00"
+    with pytest.raises(SystemExit, match=twice):
+        offline_wheels.join(pieces, tmp_path / "j1", lock)
+    (tmp_path / "j2").mkdir()
+    (tmp_path / "j2" / "big-1.0-py3-none-any.whl").write_bytes((folder / "big-1.0-py3-none-any.whl").read_bytes())
+    joined = offline_wheels.join(pieces, tmp_path / "j2", lock)  # an earlier join left it whole: nothing to cut
+    assert all(path.read_bytes() == (folder / path.name).read_bytes() for path in joined)

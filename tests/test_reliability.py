@@ -358,3 +358,29 @@ def test_engine_failure_keeps_the_cause_of_a_multi_line_error_on_one_line():
     assert "\n" not in message
     assert "ModelConfig Value error, Model architectures ['X'] failed to be inspected" in message
     assert "For further information" not in message and message.endswith("rerun the same command to resume")
+
+
+def test_engine_failure_names_what_the_engine_process_logged_in_this_run(tmp_path):
+    """vLLM's driver says only "See root cause above"; the line names the exception the engine process
+    wrote to the run's log (lines as vLLM 0.24 wrote them on an H200,
+    docs/results/gpu_checks_vllm-0.24.0_kimi_int4_after_moe_h200_2026-12-03.txt), never one an earlier
+    run wrote into the same log."""
+    from eagle_extract.errors import engine_failed
+    from eagle_extract.runlog import START
+
+    log = tmp_path / "eagle_extract.log"
+    earlier = f"2026-12-03 08:00:00 eagle-extract: {START}eagle-extract --model m\n" + (
+        "(EngineCore pid=6495) NotImplementedError: MLA is not supported on CPU.\n")  # fmt: skip
+    now = f"2026-12-03 08:33:40 eagle-extract: {START}eagle-extract --model m\n" + (
+        "(EngineCore pid=1323) ERROR 12-03 08:34:02 [core.py:1231] ValueError: Free memory on device cuda:0 "
+        "(125.73/139.8 GiB) on startup is less than desired GPU memory utilization (0.92, 128.62 GiB).\n"
+        "(EngineCore pid=1323)     raise ValueError(\n"
+        "(EngineCore pid=1323) RuntimeError: Engine core initialization failed. See root cause above.\n")  # fmt: skip
+    exc = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    log.write_text(earlier + now)
+    message = str(engine_failed(exc, log))
+    assert message.startswith("the vLLM engine failed (ValueError: Free memory on device cuda:0 (125.73/139.8 GiB)")
+    log.write_text(earlier + now.split("\n", 1)[0] + "\n")  # this run's engine process logged nothing
+    message = str(engine_failed(exc, log))
+    assert message.startswith("the vLLM engine failed (RuntimeError: Engine core initialization failed.")
+    assert "MLA" not in message and str(engine_failed(exc, tmp_path / "absent.log")) == message

@@ -68,8 +68,10 @@ HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|retur
 def gpt_oss_config(layers: int):
     from transformers import GptOssConfig
 
-    return GptOssConfig(**{**BASE, "vocab_size": BASE["vocab_size"] + len(HARMONY_TOKENS)}, head_dim=64, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
-                        num_hidden_layers=layers, sliding_window=4096, rope_scaling=dict(GPT_OSS_ROPE))  # fmt: skip
+    vocab = BASE["vocab_size"] + len(HARMONY_TOKENS)
+    return GptOssConfig(**{**BASE, "vocab_size": vocab}, head_dim=64, intermediate_size=128, num_local_experts=8,
+                        num_experts_per_tok=2, num_hidden_layers=layers, sliding_window=4096,
+                        rope_scaling=dict(GPT_OSS_ROPE))  # fmt: skip
 
 
 CONFIGS = {
@@ -197,15 +199,16 @@ def build_text_twin(config, path: Path, tokenizer: Path, seed: int, std: float =
         _add_to_index(path, extra)
     copy_tokenizer(tokenizer, path)
     if config.model_type == "gpt_oss":
-        _add_special_tokens(path, HARMONY_TOKENS)
+        _add_special_tokens(path, HARMONY_TOKENS, config.vocab_size)
     return path
 
 
-def _add_special_tokens(path: Path, tokens: tuple[str, ...]) -> None:
+def _add_special_tokens(path: Path, tokens: tuple[str, ...], vocab_size: int) -> None:
     """Append special tokens after the copied tokenizer's vocabulary, in both files transformers reads."""
     fast, config = path / "tokenizer.json", path / "tokenizer_config.json"
     data, settings = json.loads(fast.read_text()), json.loads(config.read_text())
-    first = max(len(data["model"]["vocab"]), 1 + max(t["id"] for t in data["added_tokens"]))
+    first = max(len(data["model"]["vocab"]), 1 + max((t["id"] for t in data["added_tokens"]), default=-1))
+    assert first + len(tokens) <= vocab_size, f"ids up to {first + len(tokens) - 1} for a vocabulary of {vocab_size}"
     for k, token in enumerate(tokens):
         entry = {"content": token, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
                  "special": True}  # fmt: skip
