@@ -42,12 +42,12 @@ def _raised_in_eagle_extract(exc: Exception) -> bool:
 
 def engine_failed(exc: Exception, log_path=None) -> ExtractError:
     """The engine or a worker died: one line, and every completed row is kept.  A multi-line message
-    (a pydantic ValidationError of vLLM's config names the field on its second line) is joined; vLLM's
-    "See root cause above" is replaced by that cause, read from the run's log."""
+    (a pydantic ValidationError of vLLM's config names the field on its second line) is joined; where
+    vLLM only points at "the root cause above", that cause is read from the run's log."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     said = " ".join(line for line in lines if not line.startswith("For further information")) or "no message"
     what = f"{type(exc).__name__}: {said}"
-    if "See root cause above" in said:
+    if _POINTER.search(said):
         what = _engine_process_error(log_path) or what
     return ExtractError(
         f"the vLLM engine failed ({what[:400]}); "
@@ -55,11 +55,17 @@ def engine_failed(exc: Exception, log_path=None) -> ExtractError:
     )
 
 
-# An exception as an engine process logs it: "(EngineCore pid=7) ValueError: ...", or with vLLM's
-# "ERROR 12-03 08:34:02 [core.py:1231] " between; workers' lines start "(Worker pid=...)" and the like.
+# vLLM's messages that name no cause but point at one logged before ("See root cause above", "See stack
+# trace (above) for the root cause", "please check the stack trace above for the root cause").
+_POINTER = re.compile(r"root cause|stack trace", re.IGNORECASE)
+# An exception as an engine process logs it: "(EngineCore_DP0 pid=7) ValueError: ...", or with vLLM's
+# "ERROR 12-03 08:34:02 [core.py:1231] " between; workers' lines start "(Worker_TP1 pid=...)", Ray's
+# "(RayWorkerProc pid=...)"; a bare "AssertionError", and Ray's "RayTaskError(ValueError): ..." too.
 _LOGGED_ERROR = re.compile(
-    r"^\((?:EngineCore|\w*Worker)[^)]*\)\s+(?:ERROR [^\]]*\]\s+)?([\w.]*(?:Error|Exception): .+)$"
+    r"^\((?:\w*EngineCore|\w*Worker)\w*[^)]*\)\s+(?:(?:ERROR|CRITICAL) [^\]]*\]\s+)?"
+    r"([\w.]*(?:Error|Exception)(?:\([\w.]+\))?(?::\s.*)?)$"
 )
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its workers' prefixes
 
 
 def _engine_process_error(log_path) -> str | None:
@@ -74,6 +80,7 @@ def _engine_process_error(log_path) -> str | None:
     except OSError:
         return None
     tail = tail.rsplit(f" eagle-extract: {START}", 1)[-1]
-    logged = [m.group(1) for line in tail.splitlines() if (m := _LOGGED_ERROR.match(line.strip()))]
-    logged = [e for e in logged if "See root cause above" not in e]
+    lines = (_COLOUR.sub("", line).strip() for line in tail.splitlines())
+    logged = [m.group(1) for line in lines if (m := _LOGGED_ERROR.match(line))]
+    logged = [e for e in logged if not _POINTER.search(e)]
     return logged[-1] if logged else None

@@ -144,17 +144,27 @@ def _read_alike_by_transformers_4_and_5(folder: Path) -> None:
     if "rope_theta" not in config:
         write_json(folder / "config.json", {**config, "rope_theta": config["rope_parameters"]["rope_theta"]})
     fast = json.loads((folder / "tokenizer.json").read_text())
-    decoder = fast.get("decoder") or {}
-    byte_level = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
-    if decoder.get("type") == "Sequence" and byte_level:
-        write_json(folder / "tokenizer.json", {**fast, "decoder": byte_level[0]})
-    if _tokenizer_class(folder) != "PreTrainedTokenizerFast":
-        tokenizer = json.loads((folder / "tokenizer_config.json").read_text())
+    if _converted_decoder(fast):
+        write_json(folder / "tokenizer.json", {**fast, "decoder": _converted_decoder(fast)})
+    tokenizer = json.loads((folder / "tokenizer_config.json").read_text())
+    if tokenizer.get("tokenizer_class") != "PreTrainedTokenizerFast":
         write_json(folder / "tokenizer_config.json", {**tokenizer, "tokenizer_class": "PreTrainedTokenizerFast"})
 
 
-def _tokenizer_class(folder: Path) -> str | None:
-    return json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+def _converted_decoder(fast: dict) -> dict | None:
+    """The byte-level step of a decoder the GGUF conversion wrote as a sequence, or None if it is one step."""
+    decoder = fast.get("decoder") or {}
+    byte_level = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
+    return byte_level[0] if decoder.get("type") == "Sequence" and byte_level else None
+
+
+def _tokenizer_misread(folder: Path) -> bool:
+    try:
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+        fast = json.loads((folder / "tokenizer.json").read_text())
+    except ValueError:  # a file a run beside this one is rewriting
+        return True
+    return settings.get("tokenizer_class") != "PreTrainedTokenizerFast" or _converted_decoder(fast) is not None
 
 
 def ensure_smollm2(cache_dir: Path | None = None) -> Path:
@@ -165,11 +175,11 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
         try:
             _read_alike_by_transformers_4_and_5(target)  # a cache an earlier release built is not
         except OSError as exc:
-            if _tokenizer_class(target) != "PreTrainedTokenizerFast":  # not a run beside this one repairing it
+            if _tokenizer_misread(target):  # not a run beside this one that repaired it
                 raise ExtractError(
                     f"the cached SmolLM2 at {target} needs its tokenizer files rewritten (as they are, transformers "
-                    f"5 drops every space), which failed ({exc.strerror or exc}): make the folder writable, or point "
-                    "EAGLE_EXTRACT_CACHE at a writable folder to build it there"
+                    f"5 drops every space or garbles decoded text), which failed ({exc.strerror or exc}): make the "
+                    "folder writable, or point EAGLE_EXTRACT_CACHE at a writable folder to build it there"
                 ) from exc
         return target
     root.mkdir(parents=True, exist_ok=True)

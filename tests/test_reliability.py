@@ -384,3 +384,9 @@ def test_engine_failure_names_what_the_engine_process_logged_in_this_run(tmp_pat
     message = str(engine_failed(exc, log))
     assert message.startswith("the vLLM engine failed (RuntimeError: Engine core initialization failed.")
     assert "MLA" not in message and str(engine_failed(exc, tmp_path / "absent.log")) == message
+    dead = RuntimeError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+    worker = "\x1b[36m(Worker_TP1 pid=9)\x1b[0m torch.OutOfMemoryError: CUDA out of memory.\n"  # Ray colours it
+    pointer = "(EngineCore_DP0 pid=7) Exception: WorkerProc failed. See stack trace for root cause.\n"
+    log.write_text(now.split("\n", 1)[0] + "\n" + worker + pointer)
+    said = str(engine_failed(dead, log))
+    assert said.startswith("the vLLM engine failed (torch.OutOfMemoryError: CUDA out of memory.)")
