@@ -7,7 +7,7 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
-from .runlog import START
+from .runlog import NOTE, START
 
 
 class ExtractError(Exception):
@@ -79,7 +79,7 @@ def _engine_process_error(log_path) -> str | None:
             tail = f.read().decode("utf-8", "replace")
     except OSError:
         return None
-    tail = tail.rsplit(f" eagle-extract: {START}", 1)[-1]
+    tail = tail.rsplit(f" {NOTE}{START}", 1)[-1]
     lines = (_COLOUR.sub("", line).strip() for line in tail.splitlines())
     logged = [m.group(1) for line in lines if (m := _LOGGED_ERROR.match(line))]
     logged = [e for e in logged if not _POINTER.search(e)]

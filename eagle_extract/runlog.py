@@ -16,7 +16,8 @@ import sys
 import time
 import traceback
 
-START = "start: "  # each run's first line in the log, after the stamp: where its part of the log begins
+NOTE = "eagle-extract: "  # after the stamp, on each line of ours in the log
+START = "start: "  # after NOTE, each run's first line in the log: where its part of the log begins
 _terminal = None  # the terminal's stderr while a RunLog holds fds 1 and 2, for progress()
 
 
@@ -45,7 +46,7 @@ class RunLog:
         self.note(message)
 
     def note(self, message: str) -> None:
-        self._write(f"{_stamp()} eagle-extract: {message}\n")
+        self._write(f"{_stamp()} {NOTE}{message}\n")
 
     def _write(self, text: str) -> None:
         try:

@@ -143,28 +143,29 @@ def _read_alike_by_transformers_4_and_5(folder: Path) -> None:
     config = json.loads((folder / "config.json").read_text())
     if "rope_theta" not in config:
         write_json(folder / "config.json", {**config, "rope_theta": config["rope_parameters"]["rope_theta"]})
+    for name, fixed in _tokenizer_fixes(folder).items():
+        write_json(folder / name, fixed)
+
+
+def _tokenizer_fixes(folder: Path) -> dict[str, dict]:
+    """{tokenizer file: its content as both generations read it alike}, for the files that need it."""
+    fixes = {}
     fast = json.loads((folder / "tokenizer.json").read_text())
-    if _converted_decoder(fast):
-        write_json(folder / "tokenizer.json", {**fast, "decoder": _converted_decoder(fast)})
-    tokenizer = json.loads((folder / "tokenizer_config.json").read_text())
-    if tokenizer.get("tokenizer_class") != "PreTrainedTokenizerFast":
-        write_json(folder / "tokenizer_config.json", {**tokenizer, "tokenizer_class": "PreTrainedTokenizerFast"})
-
-
-def _converted_decoder(fast: dict) -> dict | None:
-    """The byte-level step of a decoder the GGUF conversion wrote as a sequence, or None if it is one step."""
     decoder = fast.get("decoder") or {}
     byte_level = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
-    return byte_level[0] if decoder.get("type") == "Sequence" and byte_level else None
+    if decoder.get("type") == "Sequence" and byte_level:
+        fixes["tokenizer.json"] = {**fast, "decoder": byte_level[0]}
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    if settings.get("tokenizer_class") != "PreTrainedTokenizerFast":
+        fixes["tokenizer_config.json"] = {**settings, "tokenizer_class": "PreTrainedTokenizerFast"}
+    return fixes
 
 
 def _tokenizer_misread(folder: Path) -> bool:
     try:
-        settings = json.loads((folder / "tokenizer_config.json").read_text())
-        fast = json.loads((folder / "tokenizer.json").read_text())
+        return bool(_tokenizer_fixes(folder))
     except ValueError:  # a file a run beside this one is rewriting
         return True
-    return settings.get("tokenizer_class") != "PreTrainedTokenizerFast" or _converted_decoder(fast) is not None
 
 
 def ensure_smollm2(cache_dir: Path | None = None) -> Path:

@@ -117,8 +117,8 @@ def join(pieces: Path, out: Path, lock: Path) -> list[Path]:
             continue  # carried whole too, or joined by an earlier call
         chunks.sort(key=lambda p: PIECE.match(p.name).group("n"))
         numbers = [int(PIECE.match(p.name).group("n")) for p in chunks]
-        if len(set(numbers)) < len(numbers):
-            twice = next(p for p in chunks if numbers.count(int(PIECE.match(p.name).group("n"))) > 1)
+        twice = next((p for p, n, m in zip(chunks[1:], numbers[1:], numbers) if n == m), None)
+        if twice is not None:
             raise SystemExit(
                 f"{wheel}: pieces of two splits ({twice.name} more than once); carry one split's p* folders"
             )

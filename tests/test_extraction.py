@@ -57,6 +57,7 @@ def test_bundled_tokenizer_reads_as_its_tokenizer_json_says(smollm2):
 
 
 def test_a_cached_smollm2_with_the_old_tokenizer_class_is_repaired_on_use(tmp_path, smollm2):
+    from eagle_extract.atomic import temporary_name
     from eagle_extract.smollm2 import MODEL_NAME, ensure_smollm2
 
     cached = tmp_path / MODEL_NAME
@@ -70,10 +71,12 @@ def test_a_cached_smollm2_with_the_old_tokenizer_class_is_repaired_on_use(tmp_pa
     steps = [{"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}]
     converted = {"type": "Sequence", "decoders": [*steps, fast["decoder"]]}  # the decoder as the conversion wrote it
     (cached / "tokenizer.json").write_text(json.dumps({**fast, "decoder": converted}))
-    (cached / ".tokenizer_config.json.tmp").mkdir()  # where the rewrite goes first: it cannot be written
-    with pytest.raises(ExtractError, match=f"the cached SmolLM2 at {cached} needs its tokenizer files rewritten"):
+    blocked = temporary_name(cached / "tokenizer_config.json")
+    blocked.mkdir()  # where the rewrite goes first: it cannot be written
+    refused = f"the cached SmolLM2 at {cached} needs its tokenizer files rewritten"
+    with pytest.raises(ExtractError, match=refused):
         ensure_smollm2(tmp_path)
-    (cached / ".tokenizer_config.json.tmp").rmdir()
+    blocked.rmdir()
     assert ensure_smollm2(tmp_path) == cached
     assert json.loads((cached / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert json.loads((cached / "tokenizer.json").read_text())["decoder"] == fast["decoder"]
