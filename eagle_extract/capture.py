@@ -29,6 +29,8 @@ class CaptureStats:
     segments: int = 0
     split_requests: int = 0  # requests whose prompt arrived over more than one step
     merged_runs: int = 0  # runs holding one request's end and another's continuation (RequestMatcher.add)
+    ambiguous_runs: int = 0  # runs more than one request could own (RequestMatcher): their rows are redone
+    redo_rows: int = 0  # rows handed back to be run again alone instead of written from an ambiguous binding
     unmatched_tokens: int = 0  # padding or foreign tokens that belong to no expected request
     dropped_steps: int = 0  # steps whose token ids or states never arrived (a hook that did not fire)
     dropped_tokens: int = 0
@@ -129,6 +131,7 @@ class StepCapture:
         self._pinned_rows = 0  # pinned step buffers are made this many rows long: one size for the allocator
         self._steps: queue.Queue = queue.Queue()
         self._unsettled: list[int] = []  # rows announced since the last settle()
+        self._redo: list[int] = []  # rows to run again alone (RequestMatcher never guesses), until drained
         self._thread = threading.Thread(target=self._assemble_loop, daemon=True)
         self._thread.start()
 
@@ -292,6 +295,8 @@ class StepCapture:
             self.matcher.replace_open_chunks(lambda c: Rows.join([c], self.budget) if c.held is step.held else c)
             self.stats.split_requests = self.matcher.split_requests
             self.stats.merged_runs = self.matcher.merged_runs
+            self.stats.ambiguous_runs = self.matcher.ambiguous_runs
+            self._add_redo(self.matcher.take_redo())
         for req, chunks in finished:
             row = chunks[0][:] if len(chunks) == 1 else Rows.join(chunks, self.budget)
             self.budget.count("rows", 1)
@@ -301,14 +306,23 @@ class StepCapture:
     def _settle(self, rows: list[int]) -> None:
         """Count the rows still waiting among `rows` as unmatched, and stop waiting for them."""
         with self.lock:
-            waiting = set(self.matcher.pending)
-            lost = [i for i in rows if i in waiting]
-            self.matcher.forget(set(lost))
-            self.matcher.prune()
+            lost, redo = self.matcher.settle(set(rows))
+            self._add_redo(redo)
             self.stats.settled_rows += len(rows)
             self.stats.unmatched_rows += len(lost)
             if lost and self.stats.first_unmatched_row is None:
                 self.stats.first_unmatched_row = lost[0]
+
+    def _add_redo(self, rows: list[int]) -> None:
+        self._redo += rows
+        self.stats.redo_rows += len(rows)
+
+    def take_redo(self) -> list[int]:
+        """The rows to run again alone since the last call: an ambiguous run may have given them another
+        row's states, so none of theirs was written."""
+        with self.lock:
+            redo, self._redo = self._redo, []
+            return redo
 
     def expect(self, rows: list[tuple[int, list[int]]]) -> None:
         with self.lock:

@@ -2,7 +2,7 @@
 
 vLLM's order of requests in a step is not guaranteed, a prompt may be split over steps, and prompts may
 share a prefix, so every contiguous run of positions in a flat batch is matched to a request by its token
-ids and positions alone.
+ids and positions alone; where those cannot decide whose states a run holds, the rows are run again.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class _PartialPrompt:
     """A prompt followed from position 0, possibly over several steps: its tokens so far and their states."""
 
     tokens: list[int]
-    chunks: list  # [T_i, K, H] views of step buffers, in order
+    chunks: list | None  # [T_i, K, H] views of step buffers, in order; None once no waiting row can use them
+    tainted: bool = False  # an ambiguous run may have been bound to it: what it completes is run again
 
 
 def segments(positions: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -42,118 +43,182 @@ def segments(positions: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(s, e - s, p) for s, e, p in zip(starts, ends, first)]
 
 
+def _extended(keys: list[tuple[int, ...]], tokens: tuple[int, ...], strictly: bool) -> bool:
+    """Whether one of the sorted `keys` starts with `tokens` (strictly: and goes on beyond them)."""
+    i = bisect.bisect_left(keys, tokens)
+    while i < len(keys) and keys[i][: len(tokens)] == tokens:
+        if not strictly or len(keys[i]) > len(tokens):
+            return True
+        i += 1
+    return False
+
+
 class RequestMatcher:
-    """Binds captured runs of tokens to the expected requests whose states they are.
+    """Binds captured runs of tokens to the expected requests whose states they are, or to none.
 
     A run at position 0 opens a partial prompt; a run at position p > 0 continues an open partial prompt of
-    p tokens that it extends into some waiting prompt.  Attention is causal, so a partial prompt's states
-    are those of any prompt with exactly its tokens: it is handed to one waiting request
-    with those tokens, and stays open while a waiting prompt extends it.  Prompts sharing a
-    prefix (one chat template, one regenerated first answer) and split over steps therefore
-    never swap states, however vLLM splits them.
+    p tokens.  Attention is causal, so a partial prompt's states are those of any prompt with exactly its
+    tokens: it is handed to one waiting row with those tokens, and stays open while a prompt the engine runs
+    extends it.
+
+    The matcher never guesses.  Every reading of a run is enumerated: which open partial prompt it continues
+    and, since positions cannot separate one request's chunk ending at e from another's continuation
+    starting at e, where it may be cut.  Readings that give every position the same tokens before it are
+    equivalent (causal attention).  When they are not, the bookkeeping can no longer be trusted until the
+    engine call ends (`settle`): every partial prompt open or opened until then is tainted, and the rows it
+    completes, like the rows still waiting at the end, go to `redo`, to be run again where nothing can be
+    confused; none is written from a guess.
     """
 
     def __init__(self) -> None:
-        self._whole: dict[tuple[int, ...], deque[_Request]] = defaultdict(deque)
-        self._sorted: list[tuple[int, ...]] = []  # waiting prompts, sorted: those extending T follow T
+        self._whole: dict[tuple[int, ...], deque[_Request]] = defaultdict(deque)  # rows waiting for states
+        self._waiting: list[tuple[int, ...]] = []  # their prompts, sorted: those extending T follow T
+        self._running: list[tuple[int, ...]] = []  # every prompt announced and not settled, sorted
+        self._announced: dict[int, tuple[int, ...]] = {}
         self._open: list[_PartialPrompt] = []
+        self._untrusted = False  # an ambiguous run since the last settle
+        self.redo: list[int] = []  # rows completed from a tainted partial prompt: run them again
         self.split_requests = 0
-        self.merged_runs = 0  # runs that held the end of one request and a continuation of another
+        self.merged_runs = 0  # runs that held the chunk of one request and a continuation of another
+        self.ambiguous_runs = 0
 
     def expect(self, index: int, token_ids: list[int]) -> None:
         key = tuple(token_ids)
         self._whole[key].append(_Request(index, key))
-        bisect.insort(self._sorted, key)
+        bisect.insort(self._waiting, key)
+        bisect.insort(self._running, key)
+        self._announced[index] = key
 
     @property
     def pending(self) -> list[int]:
         return sorted(req.index for waiting in self._whole.values() for req in waiting)
 
-    def forget(self, indices: set[int]) -> None:
-        """Stop waiting for these requests (the engine ran them and no run matched)."""
-        if not indices:
-            return
+    def settle(self, indices: set[int]) -> tuple[list[int], list[int]]:
+        """The engine has run these rows (its call returned, and every step before it was added): stop
+        waiting for them.  Returns (rows no run matched, rows to run again: those an ambiguous run may have
+        robbed).  No partial prompt can continue after the call that ran it, so all are closed."""
+        lost, redo = [], []
         for key, waiting in list(self._whole.items()):
             kept = deque(r for r in waiting if r.index not in indices)
-            for _ in range(len(waiting) - len(kept)):
-                del self._sorted[bisect.bisect_left(self._sorted, key)]
+            for r in waiting:
+                if r.index in indices:
+                    (redo if self._untrusted else lost).append(r.index)
+                    del self._waiting[bisect.bisect_left(self._waiting, key)]
             if kept:
                 self._whole[key] = kept
             else:
                 del self._whole[key]
+        for index in indices:
+            if (key := self._announced.pop(index, None)) is not None:
+                del self._running[bisect.bisect_left(self._running, key)]
+        self._open.clear()
+        self._untrusted = False
+        return sorted(lost), sorted(redo)
 
-    def _extended(self, tokens: tuple[int, ...], strictly: bool) -> bool:
-        """Whether a waiting prompt starts with `tokens` (strictly: and goes on beyond them)."""
-        i = bisect.bisect_left(self._sorted, tokens)
-        while i < len(self._sorted) and self._sorted[i][: len(tokens)] == tokens:
-            if not strictly or len(self._sorted[i]) > len(tokens):
-                return True
-            i += 1
-        return False
+    def _starts(self, pos: int) -> list[_PartialPrompt | None]:
+        """What a piece starting at position `pos` can continue: nothing (a new prompt) at 0, else the open
+        partial prompts of `pos` tokens, one of each distinct token list."""
+        if pos == 0:
+            return [None]
+        seen, found = set(), []
+        for s in self._open:
+            if len(s.tokens) == pos and (key := tuple(s.tokens)) not in seen:
+                seen.add(key)
+                found.append(s)
+        return found
+
+    def _readings(self, tokens: list[int], start_pos: int, lo: int = 0) -> list[list[tuple[int, int, object]]]:
+        """Every way to read tokens[lo:] as pieces (lo, hi, partial prompt continued or None), each leading
+        towards a prompt the engine runs, each after the first continuing an open partial prompt as long as
+        the positions before it: vLLM lays a step's requests out by batch slot, so one request's chunk ending
+        at position e can be followed by another's continuing at e."""
+        pos, end = start_pos + lo, start_pos + len(tokens)
+        cuts = sorted({n - start_pos for s in self._open if pos < (n := len(s.tokens)) < end})
+        found = []
+        for start in self._starts(pos):
+            base = tuple(start.tokens) if start else ()
+            if _extended(self._running, base + tuple(tokens[lo:]), strictly=False):
+                found.append([(lo, len(tokens), start)])
+            for cut in cuts:
+                if _extended(self._running, base + tuple(tokens[lo:cut]), strictly=False):
+                    found += [[(lo, cut, start)] + rest for rest in self._readings(tokens, start_pos, cut)]
+        return found
+
+    @staticmethod
+    def _history(reading, tokens: list[int], j: int) -> tuple[int, ...]:
+        """The tokens from position 0 up to and including offset j of the run, as `reading` has them."""
+        lo, _, start = next(piece for piece in reading if piece[0] <= j < piece[1])
+        return (tuple(start.tokens) if start else ()) + tuple(tokens[lo : j + 1])
+
+    def _equivalent(self, readings, tokens: list[int]) -> bool:
+        """Whether all readings give every position the same tokens before it (then the same states).  Checked
+        at the end of each stretch between cuts: within a stretch each reading extends one token list."""
+        ends = sorted({hi - 1 for reading in readings for _, hi, _ in reading})
+        first = readings[0]
+        return all(self._history(r, tokens, j) == self._history(first, tokens, j) for r in readings[1:] for j in ends)
 
     def add(self, tokens: list[int], start_pos: int, chunk) -> tuple[list[tuple[_Request, list]], bool]:
-        """Take one run; returns the requests it completes, each with its chunks, and whether it was used.
+        """Take one run; returns the rows it completes, each with its chunks, and whether it was used.
+        Rows completed from a tainted partial prompt go to `redo` instead."""
+        readings = self._readings(tokens, start_pos)
+        if not readings:
+            return [], False
+        if len(readings) > 1 and not self._equivalent(readings, tokens):
+            self.ambiguous_runs += 1
+            self._untrusted = True
+            for s in self._open:
+                s.tainted = True
+        reading = readings[0]
+        self.merged_runs += len(reading) > 1
+        done = []
+        for lo, hi, start in reading:
+            done += self._take(tokens[lo:hi], start, chunk[lo:hi] if len(reading) > 1 else chunk)
+        return done, True
 
-        Positions cannot separate a request that ends at position e from a continuation starting at e
-        right after it in the batch (vLLM orders requests by batch slot, and new ones take freed slots),
-        so a run that fits nothing is tried as such a pair, cut where an open partial prompt ends."""
-        done, used = self._take(tokens, start_pos, chunk)
-        if used:
-            return done, True
-        for end in sorted({len(s.tokens) for s in self._open if start_pos < len(s.tokens) < start_pos + len(tokens)}):
-            cut = end - start_pos
-            if self._completes(tokens[:cut], start_pos) and self._continuation(tokens[cut:], end) is not None:
-                self.merged_runs += 1
-                head, _ = self._take(tokens[:cut], start_pos, chunk[:cut])
-                tail, _ = self.add(tokens[cut:], end, chunk[cut:])
-                return head + tail, True
-        return [], False
-
-    def _continuation(self, tokens: list[int], start_pos: int) -> _PartialPrompt | None:
-        """The open partial prompt of `start_pos` tokens that `tokens` extend towards a waiting prompt."""
-        for s in self._open:
-            if len(s.tokens) == start_pos and self._extended(tuple(s.tokens + tokens), strictly=False):
-                return s
-        return None
-
-    def _completes(self, tokens: list[int], start_pos: int) -> bool:
-        """Whether the run ends a waiting prompt exactly (from position 0, or continuing an open partial prompt)."""
-        if start_pos == 0:
-            return tuple(tokens) in self._whole
-        return any(len(s.tokens) == start_pos and tuple(s.tokens + tokens) in self._whole for s in self._open)
-
-    def _take(self, tokens: list[int], start_pos: int, chunk) -> tuple[list[tuple[_Request, list]], bool]:
-        if start_pos == 0:
-            partial = _PartialPrompt(list(tokens), [chunk])
+    def _take(self, tokens: list[int], start: _PartialPrompt | None, chunk) -> list:
+        if start is None:
+            partial = _PartialPrompt(list(tokens), [chunk], self._untrusted)
         else:
-            partial = self._continuation(tokens, start_pos)
-            if partial is None:
-                return [], False
+            partial = start
             partial.tokens += tokens
-            partial.chunks.append(chunk)
+            if partial.chunks is not None:
+                partial.chunks.append(chunk)
         key = tuple(partial.tokens)
         done = []
         waiting = self._whole.get(key)
-        if waiting:
+        if waiting and partial.chunks is not None:
             req = waiting.popleft()
             if not waiting:
                 del self._whole[key]
-            del self._sorted[bisect.bisect_left(self._sorted, key)]
-            self.split_requests += len(partial.chunks) > 1
-            done.append((req, list(partial.chunks)))
-        keep = self._extended(key, strictly=True)
-        if keep and start_pos == 0:
+            del self._waiting[bisect.bisect_left(self._waiting, key)]
+            if partial.tainted:
+                self.redo.append(req.index)
+            else:
+                self.split_requests += len(partial.chunks) > 1
+                done.append((req, list(partial.chunks)))
+        keep = _extended(self._running, key, strictly=True)
+        if keep and start is None:
             self._open.append(partial)
-        elif not keep and start_pos > 0:
+        elif not keep and start is not None:
             self._open.remove(partial)
-        return done, bool(done) or keep
+        return done
+
+    def take_redo(self) -> list[int]:
+        """The rows completed from tainted partial prompts since the last call."""
+        redo, self.redo = self.redo, []
+        return redo
 
     def replace_open_chunks(self, fn) -> None:
         """Swap every chunk an open partial prompt holds for `fn(chunk)` (the capture copies them out of
         a step's buffer, so that buffer can go)."""
         for partial in self._open:
-            partial.chunks = [fn(c) for c in partial.chunks]
+            if partial.chunks is not None:
+                partial.chunks = [fn(c) for c in partial.chunks]
 
     def prune(self) -> None:
-        """Close the partial prompts no waiting prompt extends any more (their prompts were bound elsewhere)."""
-        self._open = [s for s in self._open if self._extended(tuple(s.tokens), strictly=True)]
+        """Close the partial prompts no running prompt extends; drop the states of those no waiting row
+        extends (the rows they led to were served from other runs): they are followed for their tokens only."""
+        self._open = [s for s in self._open if _extended(self._running, tuple(s.tokens), strictly=True)]
+        for s in self._open:
+            if s.chunks is not None and not _extended(self._waiting, tuple(s.tokens), strictly=True):
+                s.chunks = None

@@ -300,6 +300,7 @@ def _drain(llm, wait: bool) -> dict:
         raise ExtractError(errors[0])
     return {
         "written_by": [r["written"] for r in reports],
+        "redo": sorted({i for r in reports for i in r["redo"]}),  # every pipeline stage reads the same steps
         "stats": reports[0]["stats"] if reports else {},
         # every pipeline stage settles every row: the stage that lost most tells
         "matching": [max((r["stats"].get(k, 0) for r in reports), default=0) for k in MATCH_COUNTS],
@@ -371,8 +372,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
     def settle(rows) -> None:
         nonlocal written
         for i in rows:
-            if i in pending:
-                pending.remove(i)
+            if pending.pop(i, None) is not None:
                 written += 1
 
     def check_dtype(index: int) -> None:
@@ -387,22 +387,28 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
     if done:
         check_dtype(min(done))
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    written, handed, pending = 0, 0, set()
+    written, handed, pending, redo = 0, 0, {}, []  # pending: row -> (ids, mask) until its file is written
+
+    def run_batch(batch: list) -> dict:
+        if masks is not None:
+            masks.update((i, mask) for i, _, mask in batch)
+        batch_masks = [(i, mask) for i, _, mask in batch] if cfg.legacy else None
+        llm.collective_rpc("eagle_expect", args=([(i, ids) for i, ids, _ in batch], batch_masks))
+        llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _ in batch], params, use_tqdm=False)
+        got = _drain(llm, wait=False)
+        redo.extend(got["redo"])
+        record(got)
+        return got
+
     watch.beat()
     history = [(0, 0)]  # (settled, unmatched) rows after each batch
     t1 = time.perf_counter()
     with progress(total, "extract", "row", initial=kept) as bar:
         done_tokens = 0
         for batch in batches:
-            if masks is not None:
-                masks.update((i, mask) for i, _, mask in batch)
-            batch_masks = [(i, mask) for i, _, mask in batch] if cfg.legacy else None
-            pending.update(i for i, _, _ in batch)
+            pending.update((i, (ids, mask)) for i, ids, mask in batch)
             handed += len(batch)
-            llm.collective_rpc("eagle_expect", args=([(i, ids) for i, ids, _ in batch], batch_masks))
-            llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _ in batch], params, use_tqdm=False)
-            got = _drain(llm, wait=False)
-            record(got)
+            got = run_batch(batch)
             watch.beat()
             done_tokens += sum(len(ids) for _, ids, _ in batch)
             rate = f"{done_tokens / (time.perf_counter() - t1):,.0f}"
@@ -419,6 +425,20 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
             history.append((settled, lost))
             _check_matching(history, got["first_unmatched"])
         got = _drain(llm, wait=True)
+        redo.extend(got["redo"])
+        alone = set()
+        while redo:  # rows an ambiguous step may have mixed up: each alone, where nothing can be confused
+            rows, redo[:] = sorted(set(redo)), []
+            if alone.intersection(rows):
+                raise ExtractError(f"row {min(alone.intersection(rows))} was ambiguous even alone; report this as a bug")
+            alone.update(rows)
+            note(f"running {len(rows)} rows again, one at a time: a step's runs could have been more than one row's")
+            for i in rows:
+                ids, mask = pending[i]
+                run_batch([(i, ids, mask)])
+                watch.beat()
+            got = _drain(llm, wait=True)
+            redo.extend(got["redo"])
         record(got, last=True)
         history.append(tuple(got["matching"][:2]))
         _check_matching(history, got["first_unmatched"])

@@ -110,7 +110,7 @@ class HiddenStateExtension:
         )
         report = writer.drain(wait)
         report["errors"] = captured["errors"] + report["errors"]
-        return {**captured, **report}
+        return {**captured, **report, "redo": capture.take_redo()}
 
     def eagle_remove(self) -> None:
         if getattr(self, "_eagle", None):

@@ -53,7 +53,7 @@ def test_matcher_never_swaps_prompts_that_share_a_split_prefix():
     assert got == {0: ["y1"]} and unused == []  # x takes y's states: equal by causal attention
     got, unused = _bound(m, [("y2", y[5:], 5), ("z2", z[2:], 2), ("x", x, 0)])
     assert got == {1: ["y1", "y2"], 2: ["z1", "z2"]}  # each continuation found its own start
-    assert unused == ["x"] and m.pending == []  # x's own run came after x was served
+    assert unused == [] and m.pending == []  # x's own run, after x was served, is followed but feeds no row
 
 
 def test_matcher_cuts_a_run_that_holds_one_request_and_another_continuation():
@@ -100,16 +100,112 @@ def test_a_run_stops_once_half_of_its_latest_rows_find_no_states():
     assert stopped_matching(history + [(25632, 230)]) == (230, 288)
 
 
-def test_a_forgotten_request_leaves_a_later_one_with_the_same_prompt_waiting():
-    """The engine ran row 0 and nothing matched it; row 1, with the same prompt, comes in a later batch."""
+def test_a_settled_request_leaves_a_later_one_with_the_same_prompt_waiting():
+    """The engine ran row 0 and nothing matched it; row 1, with the same prompt, comes in a later call."""
     matcher = RequestMatcher()
     matcher.expect(0, [1, 2, 3])
+    assert matcher.settle({0}) == ([0], [])
     matcher.expect(1, [1, 2, 3])
     matcher.expect(2, [1, 2, 3, 4])
-    matcher.forget({0})
     assert matcher.pending == [1, 2]
     done, used = matcher.add([1, 2, 3], 0, "states")
     assert used and [(req.index, chunks) for req, chunks in done] == [(1, ["states"])]
-    matcher.forget({2})
-    matcher.prune()
-    assert matcher.pending == [] and not matcher._open and not matcher._sorted
+    assert matcher.settle({1, 2}) == ([2], [])
+    assert matcher.pending == [] and not matcher._open and not matcher._running and not matcher._waiting
+
+
+def _prompts(rng) -> list[list[int]]:
+    """A few prompts built to confuse: shared prefixes, equal lengths, twins with different heads and one
+    tail, duplicates, prefixes of each other (the first k turns of one conversation)."""
+    alphabet = rng.randint(2, 4)
+    tail = [rng.randrange(alphabet) for _ in range(rng.randint(1, 6))]
+    prompts = []
+    for _ in range(rng.randint(2, 7)):
+        kind = rng.random()
+        if prompts and kind < 0.2:
+            prompts.append(list(rng.choice(prompts)))  # a duplicate
+        elif prompts and kind < 0.4:
+            p = rng.choice(prompts)
+            prompts.append(p[: rng.randint(1, len(p))])  # a prefix of another
+        elif kind < 0.75:
+            prompts.append([rng.randrange(alphabet) for _ in range(rng.randint(1, 4))] + tail)  # a twin
+        else:
+            prompts.append([rng.randrange(alphabet) for _ in range(rng.randint(1, 9))])
+    return prompts
+
+
+def _schedule(rng, prompts: list[list[int]], rows: list[int]):
+    """A scheduler as vLLM's can behave: a token budget per step, every running prompt's chunk capped by a
+    threshold, new prompts in free slots, the step's order shuffled (condense), prompts split anywhere.
+    Yields each step as (token ids, positions, owners): a flat batch, and who each token really is."""
+    budget, threshold, slots = rng.randint(1, 12), rng.randint(1, 6), rng.randint(1, 5)
+    waiting, running = list(rows), {}  # row -> tokens done
+    while waiting or running:
+        while waiting and len(running) < slots:
+            running[waiting.pop(0)] = 0
+        order = list(running)
+        rng.shuffle(order)
+        ids, pos, owners, left = [], [], [], budget
+        for row in order:
+            take = min(len(prompts[row]) - running[row], threshold, left, rng.randint(1, threshold))
+            if take <= 0:
+                continue
+            start = running[row]
+            ids += prompts[row][start : start + take]
+            pos += range(start, start + take)
+            owners += [(row, p) for p in range(start, start + take)]
+            running[row] += take
+            left -= take
+            if running[row] == len(prompts[row]):
+                del running[row]
+        yield ids, pos, owners
+
+
+def _feed(matcher, prompts, rows, rng) -> tuple[dict, list[int]]:
+    """Run `rows` through the simulated scheduler into `matcher`, as StepCapture does, as one engine call:
+    returns {row: the owners of the states bound to it} and the rows to run again."""
+    bound = {}
+    for row in rows:
+        matcher.expect(row, prompts[row])
+    for ids, pos, owners in _schedule(rng, prompts, rows):
+        for offset, length, start in segments(torch.tensor(pos, dtype=torch.int64)):
+            done, _ = matcher.add(ids[offset : offset + length], start, owners[offset : offset + length])
+            for req, chunks in done:
+                bound[req.index] = [o for chunk in chunks for o in chunk]
+        matcher.prune()
+    lost, redo = matcher.settle(set(rows))
+    assert lost == [], (prompts, lost)  # every token ran: a row can only be bound or handed back
+    return bound, matcher.take_redo() + redo
+
+
+def _wrong(prompts, bound) -> list[int]:
+    """Rows given a state whose tokens up to it are not the row's own: causal attention makes any other
+    owner's state right only when their prompts agree up to that position."""
+    return [
+        row
+        for row, owners in bound.items()
+        if len(owners) != len(prompts[row])
+        or any(p != q or prompts[o][: p + 1] != prompts[row][: q + 1] for q, (o, p) in enumerate(owners))
+    ]
+
+
+def test_no_schedule_binds_a_row_to_another_rows_states():
+    """Thousands of random schedules over prompts made to be confused: every row is bound to states of its
+    own tokens or handed back to be run again, and a row run again alone is bound right.  (The matcher
+    before this test bound twins' continuations to each other; run against it, this test failed at case 12.)"""
+    import random
+
+    redone = ambiguous = 0
+    for case in range(4000):
+        rng = random.Random(case)
+        prompts = _prompts(rng)
+        matcher = RequestMatcher()
+        bound, redo = _feed(matcher, prompts, list(range(len(prompts))), rng)
+        assert _wrong(prompts, bound) == [], (case, prompts)
+        assert sorted(list(bound) + redo) == list(range(len(prompts))), (case, prompts, bound, redo)
+        for row in redo:
+            alone, again = _feed(matcher, prompts, [row], rng)
+            assert again == [] and _wrong(prompts, alone) == [] and list(alone) == [row], (case, prompts)
+        redone += len(redo)
+        ambiguous += matcher.ambiguous_runs
+    assert ambiguous > 0 and redone > 0  # the generator does reach the ambiguous case
