@@ -45,11 +45,7 @@ def make_plan(cfg: ExtractConfig) -> Plan:
     """Every input check, in the order a user would fix them; `cfg` must be resolved()."""
     preflight.check_options(cfg)
     shard = shards.parse_shard(cfg.shard)
-    shape = preflight.read_model_shape(cfg.model, cfg.trust_remote_code)
-    aux_ids = parse_layer_ids(cfg.layers, shape.num_layers)
-    preflight.check_layers(cfg, aux_ids)
-    preflight.check_tp(cfg.tp, shape)
-    preflight.check_pp(cfg.pp, shape)
+    shape, aux_ids = model_layers(cfg)
     if cfg.regenerate:
         preflight.check_regenerate_room(cfg.seq_length, shape)
     preflight.check_weights(cfg)
@@ -57,6 +53,17 @@ def make_plan(cfg: ExtractConfig) -> Plan:
     tokenizer = preflight.load_tokenizer(cfg)
     read_rows(cfg.data)  # a missing file, a folder that is no dataset, a format --data cannot read: before hashing it
     return Plan(cfg, shape, aux_ids, tokenizer, identity(cfg, shape, aux_ids, tokenizer), shard)
+
+
+def model_layers(cfg: ExtractConfig) -> tuple[ModelShape, list[int]]:
+    """The model's shape and the auxiliary layer ids, checked against --layers, --tp and --pp (the server
+    shares these checks)."""
+    shape = preflight.read_model_shape(cfg.model, cfg.trust_remote_code)
+    aux_ids = parse_layer_ids(cfg.layers, shape.num_layers)
+    preflight.check_layers(cfg, aux_ids)
+    preflight.check_tp(cfg.tp, shape)
+    preflight.check_pp(cfg.pp, shape)
+    return shape, aux_ids
 
 
 # Engine arguments a resumed run may change: memory, scheduling, the executor, logging.  Every other one

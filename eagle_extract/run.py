@@ -292,7 +292,7 @@ def _watched(llm, watch: EngineWatch, t0: float) -> float:
     return time.perf_counter() - t0
 
 
-def _drain(llm, wait: bool) -> dict:
+def drain_workers(llm, wait: bool) -> dict:
     """Collect the writing workers' reports; `written_by` lists each writer's new rows, in rank order."""
     reports = [r for r in llm.collective_rpc("eagle_drain", args=(wait,)) if r is not None]
     errors = [e for r in reports for e in r["errors"]]
@@ -395,7 +395,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
         batch_masks = [(i, mask) for i, _, mask in batch] if cfg.legacy else None
         llm.collective_rpc("eagle_expect", args=([(i, ids) for i, ids, _ in batch], batch_masks))
         llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _ in batch], params, use_tqdm=False)
-        got = _drain(llm, wait=False)
+        got = drain_workers(llm, wait=False)
         redo.extend(got["redo"])
         record(got)
         return got
@@ -424,7 +424,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
             )
             history.append((settled, lost))
             _check_matching(history, got["first_unmatched"])
-        got = _drain(llm, wait=True)
+        got = drain_workers(llm, wait=True)
         redo.extend(got["redo"])
         alone = set()
         while redo:  # rows an ambiguous step may have mixed up: each alone, where nothing can be confused
@@ -437,7 +437,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
                 ids, mask = pending[i]
                 run_batch([(i, ids, mask)])
                 watch.beat()
-            got = _drain(llm, wait=True)
+            got = drain_workers(llm, wait=True)
             redo.extend(got["redo"])
         record(got, last=True)
         history.append(tuple(got["matching"][:2]))

@@ -40,6 +40,8 @@ class EngineWatch:
         self.stall_s = stall_s
         self.log_path = log_path  # named at the end of the line, as every failure's line does
         self.note = None  # writes a line to the run's log
+        self.advice = "every completed row is kept: fix the cause and rerun the same command to resume"
+        self.cleanup = None  # called before the process ends on a failure (the server removes its spool's files)
         self.heartbeat: Path | None = None
         self.procs: dict[int, object] = {}  # pid -> psutil.Process, every engine process seen
         self.helpers: dict[int, object] = {}  # the same for Ray's own processes, stopped with the engine
@@ -125,13 +127,15 @@ class EngineWatch:
         if self.stop.is_set():
             return
         self.failing.set()  # from now on the main thread waits in reap() for this thread to end the process
-        line = f"Error: {what}; every completed row is kept: fix the cause and rerun the same command to resume"
+        line = f"Error: {what}; {self.advice}"
         line += f" (the run's log: {self.log_path})" if self.log_path else ""
         # stopping the engine or writing the log can block (a hung filesystem): the line and the exit come anyway
         threading.Timer(30.0, _exit_with, (line,)).start()
         try:
             self._stop_engine()
             self._forget_heartbeat()
+            if self.cleanup:
+                self.cleanup()
             if self.note:
                 self.note(line)
         except (OSError, ValueError):  # the log closed meanwhile

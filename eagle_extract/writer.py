@@ -107,10 +107,12 @@ def write_hidden_states(
     fp8: bool = False,
     scales=None,
     layer_ids: list[int] | None = None,
+    durable: bool = True,
 ) -> None:
     """Write one row's file: in the model dtype, already quantised (`scales` given: the capture
     quantised on the model's device), or (fp8) quantised here with per-token scales; `layer_ids`
-    (one per slot) and the checksum go into its metadata."""
+    (one per slot) and the checksum go into its metadata.  `durable`: fsynced before its rename (a
+    dataset's rows; not the server's spool, whose files live seconds)."""
     tensors = {"token_ids": torch.tensor(token_ids, dtype=torch.int64)}
     if scales is not None:
         tensors["hidden_states"], tensors[SCALES] = hidden.contiguous(), scales.contiguous()
@@ -121,7 +123,7 @@ def write_hidden_states(
     nbytes = sum(t.nbytes for t in tensors.values())
     meta = row_metadata(tensors, layer_ids)
     path = hidden_state_path(output, index)
-    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), nbytes, durable=True)
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), nbytes, durable=durable)
 
 
 def legacy_tensors(sample: dict) -> dict[str, torch.Tensor]:
@@ -170,8 +172,10 @@ class BackgroundWriter:
         legacy: bool = False,
         threads: int | None = None,
         layer_ids: list[int] | None = None,
+        durable: bool = True,
     ) -> None:
         self.output = Path(output)
+        self.durable = durable
         self.fp8 = fp8
         self.legacy = legacy
         self.layer_ids = layer_ids
@@ -213,7 +217,9 @@ class BackgroundWriter:
                     mask = self.loss_masks.pop(index)
                 write_legacy(self.output, index, rows.states, token_ids, mask, self.layer_ids)
             else:
-                write_hidden_states(self.output, index, rows.states, token_ids, self.fp8, rows.scales, self.layer_ids)
+                write_hidden_states(
+                    self.output, index, rows.states, token_ids, self.fp8, rows.scales, self.layer_ids, self.durable
+                )
         except Exception as exc:  # reported to the driver by drain()
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             with self._lock:

@@ -1,0 +1,531 @@
+"""`eagle-extract serve`: speculators' online trainer asks for each row's states over HTTP.
+
+The OpenAI-style routes speculators 0.9's loader calls (`GET /v1/models`, `POST /v1/completions`, and
+`POST /v1/chat/completions` for text messages) answer with `kv_transfer_params.hidden_states_path`: a row
+file in the spool, in the offline layout (`hidden_states` [T, K, H], `token_ids`; FP8 with its scales),
+complete before the answer goes out, so the reader's lock wait finds no lock.  The reader deletes it.
+
+One engine thread batches whatever requests are waiting into one `generate` call, through the same
+capture core as extraction (worker extension, hooks, matcher, writer); rows the matcher cannot bind
+for sure are run again alone.  The spool is bounded in bytes: a request waits for room, and files a
+trainer never collected are removed after `--spool-ttl` seconds and at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from .config import ExtractConfig
+from .errors import ExtractError, engine_errors
+from .hostmem import default_budget
+from .plan import model_layers
+from .preflight import check_options, check_weights, load_tokenizer
+from .run import drain_workers
+from .runlog import RunLog
+from .watch import EngineWatch
+from .writer import hidden_state_path
+
+SPOOL_SHARE = 0.5  # of the spool filesystem's free space, the default --spool-bytes
+
+
+class BadRequest(Exception):
+    """An answer of status `status` (400 unless said) with OpenAI's error body."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    spool: Path | None = None  # None: a fresh folder under the system's temporary folder
+    spool_bytes: int | None = None  # None: SPOOL_SHARE of the spool filesystem's free space
+    spool_ttl: float = 600.0  # seconds a written file waits for its reader before it is removed
+    api_key: str | None = None
+    served_model_name: str | None = None  # None: --model as given, as `vllm serve` names it
+
+
+def check_serve_options(cfg: ExtractConfig, opts: ServeOptions) -> None:
+    if cfg.pp != 1:
+        raise ExtractError("--pp: eagle-extract serve runs one pipeline stage; use --tp, or extract offline with --pp")
+    if cfg.legacy:
+        raise ExtractError("--format speculators-legacy: the server writes speculators' online layout only")
+    if not 0 < opts.port < 65536:
+        raise ExtractError(f"--port {opts.port}: give a TCP port from 1 to 65535")
+    if opts.spool_bytes is not None and opts.spool_bytes < 1:
+        raise ExtractError(f"--spool-bytes {opts.spool_bytes}: give the bytes the spool may hold, at least 1")
+    if not 0 < opts.spool_ttl < float("inf"):
+        raise ExtractError(f"--spool-ttl {opts.spool_ttl}: give the seconds a file waits for its reader")
+    if opts.api_key is not None and not opts.api_key.strip():
+        raise ExtractError("--api-key is empty; give the bearer token clients send, or leave it out")
+
+
+def _port_free(host: str, port: int) -> None:
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise ExtractError(f"--host {host} --port {port}: cannot listen there ({exc.strerror}); pass another --port")
+
+
+class Spool:
+    """Our folder in the spool: state files the trainer collects (and deletes).  `reserve` waits while
+    the files written and the rows in flight would pass `limit` bytes; an uncollected file goes after
+    `ttl` seconds; `clear` removes every file of ours."""
+
+    def __init__(self, root: Path, limit: int, ttl: float) -> None:
+        self.root, self.limit, self.ttl = root, limit, ttl
+        self._files: dict[Path, tuple[int, float]] = {}  # written, not yet seen gone: bytes, time written
+        self._bytes = 0  # of those files and of the rows in flight
+        self._cond = threading.Condition()
+        self.expired = 0
+
+    def used(self) -> int:
+        return self._bytes
+
+    def reserve(self, nbytes: int, give_up: threading.Event) -> None:
+        """Wait for room; a row larger than the whole spool goes when the spool is empty."""
+        with self._cond:
+            while self._bytes + nbytes > self.limit and self._bytes and not give_up.is_set():
+                self._cond.wait(0.5)
+                self._sweep()
+            self._bytes += nbytes
+
+    def written(self, path: Path, reserved: int) -> None:
+        size = path.stat().st_size
+        with self._cond:
+            self._bytes += size - reserved
+            self._files[path] = (size, time.monotonic())
+
+    def release(self, reserved: int) -> None:
+        with self._cond:
+            self._bytes -= reserved
+            self._cond.notify_all()
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for path, (size, at) in list(self._files.items()):
+            if path.exists() and now - at > self.ttl:
+                path.unlink(missing_ok=True)
+                self.expired += 1
+            if not path.exists():
+                del self._files[path]
+                self._bytes -= size
+        self._cond.notify_all()
+
+    def sweep(self) -> None:
+        with self._cond:
+            self._sweep()
+
+    def waiting(self) -> int:
+        """Files written and not yet collected."""
+        with self._cond:
+            self._sweep()
+            return len(self._files)
+
+    def clear(self) -> None:
+        """Remove every state file of ours, written or half-written (the writer's temporary names)."""
+        shutil.rmtree(hidden_state_path(self.root, 0).parent, ignore_errors=True)
+        with self._cond:
+            self._files.clear()
+            self._bytes = 0
+
+
+@dataclass
+class _Job:
+    ids: list[int]
+    nbytes: int
+    future: Future
+    index: int = -1
+
+
+class EngineLoop(threading.Thread):
+    """Batches the waiting requests into `generate` calls; each job's future gets its file's path."""
+
+    def __init__(self, llm, spool: Spool, batch_size: int, watch: EngineWatch, note) -> None:
+        super().__init__(daemon=True, name="eagle-serve-engine")
+        import queue
+
+        self.llm, self.spool, self.batch_size, self.watch, self.note = llm, spool, batch_size, watch, note
+        self.jobs: queue.Queue[_Job] = queue.Queue()
+        self.stopping = threading.Event()
+        self.failed: str | None = None
+        self._numbers = itertools.count()
+        self.rows = self.tokens = self.redone = 0
+
+    def submit(self, ids: list[int], nbytes: int) -> Future:
+        if self.failed:
+            raise BadRequest(f"the engine failed: {self.failed}", status=503)
+        job = _Job(ids, nbytes, Future())
+        self.jobs.put(job)
+        return job.future
+
+    def run(self) -> None:
+        import queue
+
+        inflight: dict[int, _Job] = {}
+        try:
+            while not self.stopping.is_set() or not self.jobs.empty():
+                try:
+                    first = self.jobs.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                batch = [first]
+                while len(batch) < self.batch_size:
+                    try:
+                        batch.append(self.jobs.get_nowait())
+                    except queue.Empty:
+                        break
+                self.watch.beat()
+                for job in batch:
+                    job.index = next(self._numbers)
+                    inflight[job.index] = job
+                self._generate(batch, inflight, wait=self.jobs.empty())
+                if self.jobs.empty():
+                    self.watch.pause()  # idle: no time limit until the next request
+        except BaseException as exc:
+            self.failed = str(exc) if isinstance(exc, ExtractError) else f"{type(exc).__name__}: {exc}"
+            self.note(f"engine loop failed: {self.failed}")
+            for job in [*inflight.values(), *self._queued()]:
+                if not job.future.done():
+                    job.future.set_exception(BadRequest(f"the engine failed: {self.failed}", status=503))
+
+    def _queued(self) -> list[_Job]:
+        import queue
+
+        jobs = []
+        while True:
+            try:
+                jobs.append(self.jobs.get_nowait())
+            except queue.Empty:
+                return jobs
+
+    def _generate(self, batch: list[_Job], inflight: dict[int, _Job], wait: bool) -> None:
+        """One engine call; with `wait`, every row in flight is settled after it: written, or failed."""
+        from vllm import SamplingParams, TokensPrompt
+
+        self.llm.collective_rpc("eagle_expect", args=([(job.index, job.ids) for job in batch], None))
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        self.llm.generate([TokensPrompt(prompt_token_ids=job.ids) for job in batch], params, use_tqdm=False)
+        self.watch.beat()
+        got = drain_workers(self.llm, wait=wait)
+        self._settle(got["written_by"], inflight)
+        redo = [inflight[i] for i in got["redo"] if i in inflight]
+        for job in redo:  # a run more than one row could own: that row alone, where nothing is ambiguous
+            self.redone += 1
+            self._generate([job], inflight, wait=False)
+        if redo:
+            got = drain_workers(self.llm, wait=True)
+            self._settle(got["written_by"], inflight)
+            wait = True
+        if wait:
+            for index in list(inflight):
+                job = inflight.pop(index)
+                self.spool.release(job.nbytes)
+                job.future.set_exception(BadRequest("no states were captured for this prompt", status=500))
+
+    def _settle(self, written_by: list[list[int]], inflight: dict[int, _Job]) -> None:
+        for index in (i for rows in written_by for i in rows):
+            job = inflight.pop(index, None)
+            if job is None:
+                continue
+            path = hidden_state_path(self.spool.root, index).resolve()
+            self.spool.written(path, job.nbytes)
+            self.rows += 1
+            self.tokens += len(job.ids)
+            job.future.set_result(str(path))
+
+
+def _error(status: int, message: str, param: str | None = None):
+    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed"}
+    body = {"message": message, "type": kinds.get(status, "ServerError"), "param": param, "code": status}
+    return JSONResponse({"error": body}, status_code=status)
+
+
+class Requests:
+    """Checks a request body and turns it into prompt token ids, as the engine will be given them."""
+
+    def __init__(self, name: str, tokenizer, seq_length: int, bytes_per_token: int) -> None:
+        self.name, self.tokenizer, self.seq_length = name, tokenizer, seq_length
+        self.vocab, self.bytes_per_token = len(tokenizer), bytes_per_token
+
+    def model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.name:
+            raise BadRequest(f"the model `{model}` does not exist; this server serves `{self.name}`", param="model")
+
+    def prompt(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
+        elif isinstance(prompt, list):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise BadRequest("prompt: give one list of integer token ids, or one string", param="prompt")
+            ids = prompt
+        else:
+            raise BadRequest("prompt: give one list of integer token ids, or one string", param="prompt")
+        return self.checked(ids, "prompt")
+
+    def messages(self, body: dict) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages: give a non-empty list of {role, content} messages", param="messages")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("content", ""), str):
+                raise BadRequest(
+                    "messages: only text content is served (eagle-extract serve has no multimodal processor); "
+                    "give each message's content as a string",
+                    param="messages",
+                )
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=True,
+                add_generation_prompt=bool(body.get("add_generation_prompt", False)),
+                continue_final_message=bool(body.get("continue_final_message", False)),
+                return_dict=False,
+            )
+        except Exception as exc:
+            raise BadRequest(f"messages: the chat template refused them ({type(exc).__name__}: {exc})") from None
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        return self.checked(list(ids), "messages")
+
+    def checked(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise BadRequest(f"{param}: the prompt is empty", param=param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise BadRequest(f"{param}: token id {bad} is outside the vocabulary of {self.vocab}", param=param)
+        if len(ids) > self.seq_length:
+            raise BadRequest(
+                f"{param}: {len(ids)} tokens, longer than this server's --seq-length {self.seq_length}", param=param
+            )
+        return ids
+
+
+def make_app(loop: EngineLoop, spool: Spool, requests: Requests, api_key: str | None, seq_length: int):
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    give_up = threading.Event()
+    app.state.give_up = give_up
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request, exc: BadRequest):
+        return _error(exc.status, str(exc), exc.param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, exc: HTTPException):
+        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        return _error(exc.status_code, message.get(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc):
+        return _error(400, "the request body is not a JSON object")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+            return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+        return await call_next(request)
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise BadRequest("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body is not a JSON object")
+        requests.model(body)
+        return body
+
+    async def states(ids: list[int]) -> str:
+        nbytes = len(ids) * requests.bytes_per_token
+        await asyncio.to_thread(spool.reserve, nbytes, give_up)
+        try:
+            future = loop.submit(ids, nbytes)
+        except BaseException:
+            spool.release(nbytes)
+            raise
+        return await asyncio.wrap_future(future)
+
+    def answer(kind: str, ids: list[int], path: str) -> dict:
+        usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+        return {"object": kind, "created": int(time.time()), "model": requests.name, "usage": usage,
+                "kv_transfer_params": {"hidden_states_path": path}}  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": requests.name, "object": "model", "created": 0, "owned_by": "eagle-extract",
+                "max_model_len": seq_length}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await body_of(request)
+        ids = requests.prompt(body)
+        path = await states(ids)
+        choice = {"index": 0, "text": "", "finish_reason": "length", "logprobs": None, "prompt_token_ids": ids}
+        return {"id": f"cmpl-{Path(path).stem}", **answer("text_completion", ids, path), "choices": [choice]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await body_of(request)
+        ids = requests.messages(body)
+        path = await states(ids)
+        message = {"role": "assistant", "content": ""}
+        choice = {"index": 0, "message": message, "finish_reason": "length", "logprobs": None}
+        return {"id": f"chatcmpl-{Path(path).stem}", **answer("chat.completion", ids, path), "choices": [choice],
+                "prompt_token_ids": ids}  # fmt: skip
+
+    @app.get("/health")
+    async def health():
+        if loop.failed:
+            return JSONResponse({"status": "failed", "error": loop.failed}, status_code=503)
+        return {"status": "ok", "spool_bytes": spool.used(), "rows": loop.rows}
+
+    return app
+
+
+def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
+    """Run the server until SIGTERM or Ctrl-C; returns the exit status.  `cfg` must be resolved()."""
+    check_options(cfg)
+    check_serve_options(cfg, opts)
+    shape, aux_ids = model_layers(cfg)
+    check_weights(cfg)
+    tokenizer = load_tokenizer(cfg)
+    _port_free(opts.host, opts.port)
+    root = opts.spool or Path(tempfile.gettempdir())
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix="eagle-extract-serve.", dir=root)).resolve()
+    except OSError as exc:
+        raise ExtractError(f"--spool {root}: cannot make a folder there ({exc.strerror}); pass a writable --spool")
+    limit = opts.spool_bytes or int(shutil.disk_usage(folder).free * SPOOL_SHARE)
+    spool = Spool(folder, limit, opts.spool_ttl)
+    dtype = shape.dtype if cfg.dtype == "auto" else cfg.dtype
+    width = 1 if cfg.fp8 else (4 if dtype in ("float32", "float") else 2)
+    per_token = (len(aux_ids) + 1) * shape.hidden_size * width + 8 + (4 if cfg.fp8 else 0)
+    name = opts.served_model_name or cfg.model
+    requests = Requests(name, tokenizer, cfg.seq_length, per_token)
+    log_path = folder / "eagle_extract.log"
+    watch = EngineWatch(cfg.stall_timeout or None, log_path)
+    watch.advice = "the server stopped; its spool's files were removed"
+    watch.cleanup = spool.clear
+    with RunLog(log_path, log) as run_log, engine_errors(log_path):
+        watch.note = run_log.note
+        run_log.say(
+            f"starting the engine: {cfg.model}, slots for layers {aux_ids + [shape.num_layers]}, "
+            f"{per_token:,} bytes a token; spool {folder} (up to {limit / 2**30:.1f} GiB)"
+        )
+        from .engine import start_engine
+
+        watch.expect_engine()
+        llm = start_engine(cfg, min(cfg.seq_length + 1, shape.context or cfg.seq_length + 1))
+        host_memory = int(cfg.host_memory * 2**30) if cfg.host_memory else default_budget()
+        llm.collective_rpc("eagle_heartbeat", args=(str(watch.heartbeat), 2.0))
+        watch.start()
+        watch.pause()
+        args = (str(folder), aux_ids, cfg.decoder_path, cfg.fp8, False, cfg.writer_threads, host_memory)
+        installed = llm.collective_rpc("eagle_install", args=args, kwargs={"durable": False})
+        if not any(w["writes"] for w in installed):
+            raise ExtractError("no worker installed the capture; report this as a bug with the run's log")
+        loop = EngineLoop(llm, spool, cfg.batch_size, watch, run_log.note)
+        loop.start()
+        try:
+            status = _serve_http(loop, spool, requests, opts, cfg.seq_length, run_log)
+        finally:
+            loop.stopping.set()
+            loop.join(timeout=25)
+            spool.clear()
+            watch.reap()
+        run_log.say(
+            f"stopped: {loop.rows} rows served ({loop.tokens:,} tokens, {loop.redone} run again alone, "
+            f"{spool.expired} files never collected and removed); the spool's files are removed; log: {log_path}"
+        )
+        if loop.failed:
+            raise ExtractError(f"the engine failed: {loop.failed}; the server stopped (the log: {log_path})")
+    return status
+
+
+class _Server:
+    """uvicorn's server with our signal handling: SIGTERM or Ctrl-C stops taking requests and lets those in
+    flight finish (a second Ctrl-C: at once), and nothing is raised again afterwards."""
+
+    def __init__(self, app, opts: ServeOptions) -> None:
+        import contextlib
+
+        import uvicorn
+
+        config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=GRACE_S, access_log=False)  # fmt: skip
+
+        class Quiet(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        self.server = Quiet(config)
+
+    def stop(self, signum=None, frame=None) -> None:
+        if self.server.should_exit and signum == signal.SIGINT:
+            self.server.force_exit = True
+        self.server.should_exit = True
+
+
+GRACE_S = 20  # seconds the requests in flight get at shutdown; then their files get COLLECT_S to be read
+COLLECT_S = 5
+
+
+def _serve_http(loop: EngineLoop, spool: Spool, requests: Requests, opts: ServeOptions, seq_length: int, run_log):
+    app = make_app(loop, spool, requests, opts.api_key, seq_length)
+    http = _Server(app, opts)
+    server = http.server
+
+    def janitor() -> None:
+        while not server.should_exit:
+            spool.sweep()
+            if loop.failed:
+                server.should_exit = True
+            time.sleep(0.5)
+        app.state.give_up.set()  # requests waiting for room go now: they are in flight
+
+    async def main() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            run_log.say(f"serving http://{opts.host}:{opts.port}/v1 (model {requests.name})")
+        await task
+
+    saved = {sig: signal.signal(sig, http.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        threading.Thread(target=janitor, daemon=True, name="eagle-serve-spool").start()
+        asyncio.run(main())
+        run_log.say("stopping: the requests in flight are answered")
+        deadline = time.monotonic() + COLLECT_S
+        while spool.waiting() and time.monotonic() < deadline and not loop.failed:
+            time.sleep(0.1)  # the last answers' files, for their readers
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    return 1 if loop.failed else 0
