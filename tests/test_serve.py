@@ -1,0 +1,237 @@
+"""`eagle-extract serve` against speculators 0.9's own online client (ArrowDataset with hs-connectors'
+FileTransfer and FP8Transfer), checked against transformers in float32; bad requests, a trainer that never
+collects, a full spool, SIGTERM with a request in flight, and an engine that dies.
+
+Two servers start (a vLLM start each): SmolLM2 in float32, as the held-out check runs it, and a tiny Llama
+with FP8 storage, whose engine is killed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from .common import Reference, rel_err
+
+TTL_S = 8  # --spool-ttl of the SmolLM2 server: an uncollected file goes this long after it was written
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, spool: Path, *args: str) -> None:
+        self.port, self.spool = _free_port(), spool
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.model = str(model)
+        cmd = [sys.executable, "-m", "eagle_extract", "serve", "--model", self.model, "--port", str(self.port),
+               "--spool", str(spool), *args]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.monotonic() + 300
+        while not any(line.startswith("serving ") for line in self.lines):
+            assert self.proc.poll() is None, "".join(self.lines)
+            assert time.monotonic() < deadline, "".join(self.lines)
+            time.sleep(0.5)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def post(self, route: str, body, headers: dict | None = None) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + route, data=data, headers={"content-type": "application/json",
+                                                                               **(headers or {})})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def folder(self) -> Path:
+        return next(self.spool.glob("eagle-extract-serve.*"))
+
+    def state_files(self) -> list[Path]:
+        return sorted((self.folder() / "hidden_states").glob("*")) if (self.folder() / "hidden_states").exists() else []
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(tmp_path_factory, smollm2):
+    spool = tmp_path_factory.mktemp("spool")
+    # room for a few rows only: the client threads below wait for each other's files to be collected
+    server = Server(smollm2, spool, "--layers", "2,15,27", "--dtype", "float32", "--spool-bytes", "6000000",
+                    "--spool-ttl", str(TTL_S))  # fmt: skip
+    yield server
+    server.stop()
+
+
+def _dataset(path: Path, rows: list[list[int]]) -> Path:
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows],
+                            "seq_len": [len(r) for r in rows]})  # fmt: skip
+    ds.set_format("torch")
+    ds.save_to_disk(str(path))
+    return path
+
+
+def _conversation_rows(tokenizer) -> list[list[int]]:
+    """Real conversations through the chat template, plus rows made to share prefixes and to repeat:
+    a server batches whatever arrives."""
+    from .common import SAMPLE_DATA
+
+    conversations = json.loads((SAMPLE_DATA / "sharegpt_dummy_conversations.json").read_text())[:12]
+    role = {"human": "user", "gpt": "assistant"}
+    rows = []
+    for c in conversations:
+        messages = [{"role": role.get(t["from"], t["from"]), "content": t["value"]} for t in c["conversations"]]
+        rows.append(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)[:300])
+    rows += [rows[0], rows[1][: len(rows[1]) // 2], rows[2] + rows[3][:40]]
+    return rows
+
+
+def _online_dataset(datapath: Path, server: Server, transfer):
+    from speculators.train.data import ArrowDataset
+
+    return ArrowDataset(max_len=2048, datapath=str(datapath), transfer=transfer, vllm_endpoint=server.url,
+                        model=server.model, on_missing="generate", train_ratio=1.0, split="train",
+                        request_timeout=120, max_retries=1)  # fmt: skip
+
+
+def test_speculators_online_client_gets_transformers_states(smollm2_server, smollm2, tmp_path):
+    """speculators' own loader, six threads at once, against transformers in float32 (final slot: the input
+    of the final norm)."""
+    from hs_connectors import FileTransfer
+    from transformers import AutoTokenizer
+
+    rows = _conversation_rows(AutoTokenizer.from_pretrained(smollm2))
+    datapath = _dataset(tmp_path / "data", rows)
+    online = _online_dataset(datapath, smollm2_server, FileTransfer(datapath / "hidden_states"))
+    with ThreadPoolExecutor(6) as pool:
+        items = list(pool.map(online.__getitem__, range(len(rows))))
+    ref = Reference(smollm2)
+    for ids, item in zip(rows, items):
+        assert isinstance(item, dict), item  # not SampleUnavailable
+        assert item["input_ids"].tolist() == ids
+        got = torch.cat([item["hidden_states"].unflatten(1, (3, -1)), item["verifier_last_hidden_states"][:, None]], 1)
+        assert rel_err(got, ref.slots(ids, [2, 15, 27, 30])) < 1e-4
+    assert smollm2_server.state_files() == []  # the reader deleted every file
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(smollm2_server):
+    s = smollm2_server
+    cases = {
+        "empty prompt": ({"model": s.model, "prompt": []}, 400),
+        "not token ids": ({"model": s.model, "prompt": [1, "two", 3]}, 400),
+        "a float id": ({"model": s.model, "prompt": [1, 2.5]}, 400),
+        "out of vocabulary": ({"model": s.model, "prompt": [1, 49152]}, 400),
+        "negative id": ({"model": s.model, "prompt": [-1, 5]}, 400),
+        "longer than --seq-length": ({"model": s.model, "prompt": [5] * 2049}, 400),
+        "unknown model": ({"model": "gpt-9", "prompt": [1, 2]}, 400),
+        "no JSON object": ([1, 2, 3], 400),
+        "image content": ({"model": s.model, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+    }
+    for name, (body, status) in cases.items():
+        route = "/chat/completions" if "messages" in body else "/completions"
+        got, answer = s.post(route, body)
+        assert got == status and answer["error"]["code"] == status and answer["error"]["message"], (name, answer)
+    assert s.post("/completions", b"{not json")[0] == 400
+    got, answer = s.post("/no/such/route", {})
+    assert got == 404 and "error" in answer
+    got, answer = s.post("/completions", {"model": s.model, "prompt": [1, 2, 3], "max_tokens": 1})
+    assert got == 200 and answer["choices"][0]["prompt_token_ids"] == [1, 2, 3]
+    path = Path(answer["kv_transfer_params"]["hidden_states_path"])
+    assert path.parent.parent == s.folder() and load_file(str(path))["token_ids"].tolist() == [1, 2, 3]
+    path.unlink()
+    got, answer = s.post("/chat/completions", {"model": s.model, "messages": [{"role": "user", "content": "Hi"}],
+                                               "add_generation_prompt": False, "return_token_ids": True})  # fmt: skip
+    assert got == 200 and answer["prompt_token_ids"] and Path(answer["kv_transfer_params"]["hidden_states_path"]).exists()
+    Path(answer["kv_transfer_params"]["hidden_states_path"]).unlink()
+
+
+def test_an_uncollected_file_is_removed_and_a_full_spool_makes_requests_wait(smollm2_server):
+    """A trainer killed after its answer never reads the file: it goes after --spool-ttl.  Meanwhile the
+    spool (6 MB) is full, so the next request waits for the removal instead of failing."""
+    s = smollm2_server
+    big = [7] * 600  # 600 x 9,224 bytes: 5.5 MB of the 6 MB spool
+    got, answer = s.post("/completions", {"model": s.model, "prompt": big})
+    assert got == 200
+    orphan = Path(answer["kv_transfer_params"]["hidden_states_path"])
+    assert orphan.exists()
+    t0 = time.monotonic()
+    got, answer = s.post("/completions", {"model": s.model, "prompt": [8] * 200})
+    waited = time.monotonic() - t0
+    assert got == 200 and not orphan.exists()
+    assert waited > TTL_S / 2, waited  # it waited for the orphan's removal, not failed
+    Path(answer["kv_transfer_params"]["hidden_states_path"]).unlink()
+
+
+def test_sigterm_answers_the_request_in_flight_then_removes_the_spool_and_exits_0(smollm2_server):
+    s = smollm2_server
+    answers = []
+    client = threading.Thread(target=lambda: answers.append(s.post("/completions", {"prompt": [9] * 300})))
+    client.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(timeout=30) == 0, "".join(s.lines)
+    client.join(5)
+    assert time.monotonic() - t0 < 30
+    assert answers and answers[0][0] == 200, answers
+    assert s.state_files() == [] and not (s.folder() / "hidden_states").exists()
+    assert s.lines[-1].startswith("stopped: ")
+
+
+def test_fp8_rows_read_by_fp8transfer_and_a_dead_engine_ends_the_server(tmp_path_factory, tiny_llama, tmp_path):
+    """hs-connectors' FP8Transfer dequantises the server's FP8 files (bf16 engine, against transformers in
+    float32); then the engine process dies: one line, a non-zero exit, no file left, no client waiting."""
+    from hs_connectors import FP8Transfer
+
+    server = Server(tiny_llama, tmp_path_factory.mktemp("spool8"), "--dtype", "bfloat16", "--storage-dtype", "fp8",
+                    "--layers", "1,3")  # fmt: skip
+    try:
+        rows = [[int(t) for t in torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(n))]
+                for n in (17, 60, 130)]  # fmt: skip
+        datapath = _dataset(tmp_path / "data", rows)
+        online = _online_dataset(datapath, server, FP8Transfer(datapath / "hidden_states"))
+        ref = Reference(tiny_llama)
+        for i, ids in enumerate(rows):
+            item = online[i]
+            assert isinstance(item, dict), item
+            got = torch.cat([item["hidden_states"].unflatten(1, (2, -1)), item["verifier_last_hidden_states"][:, None]], 1)
+            assert rel_err(got.float(), ref.slots(ids, [1, 3, 6])) < 0.05  # bf16 engine, FP8 storage
+        engine = [p for p in psutil.Process(server.proc.pid).children(recursive=True) if p.name().startswith("VLLM::")]
+        assert engine, "no vLLM engine process found"
+        engine[0].kill()
+        assert server.proc.wait(timeout=60) != 0
+        time.sleep(0.5)
+        shown = [line for line in server.lines if line.strip()]
+        assert shown[-1].startswith("Error: the vLLM engine failed"), shown[-3:]
+        assert server.state_files() == []
+    finally:
+        server.stop()
