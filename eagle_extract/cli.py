@@ -240,6 +240,14 @@ OPTION = {  # every option of the commands that run a model, declared once; each
         default=D.check_disk,
         help="Start even when the estimated output is larger than the free disk space (e.g. space freed during the run).",
     ),
+    "states": click.option(
+        "--states",
+        type=click.Choice(CHOICES["states"]),
+        default=D.states,
+        show_default=True,
+        help="'none' writes the dataset files without hidden states (no engine): speculators' online trainer "
+        "reads the rows already in hidden_states/ and asks `eagle-extract serve` for the rest.",
+    ),
     "host": click.option("--host", default="127.0.0.1", show_default=True, help="Address the server listens on."),
     "port": click.option("--port", type=int, default=8000, show_default=True, help="TCP port the server listens on."),
     "spool": click.option(
@@ -321,6 +329,7 @@ EXTRACT_OPTIONS = (
     "host_memory",
     "stall_timeout",
     "check_disk",
+    "states",
 )
 
 

@@ -21,6 +21,7 @@ CHOICES = {  # the options that take one of a few words; the CLI offers exactly 
     "dtype": ("auto", "bfloat16", "float16", "float32"),
     "storage_dtype": ("model", "fp8"),
     "format": ("speculators", LEGACY),
+    "states": ("all", "none"),
 }
 
 
@@ -33,7 +34,7 @@ _TYPES = {  # what each option takes, where a wrong type would otherwise fail de
     **dict.fromkeys(("host_memory", "stall_timeout"), (int, float, type(None))),
     **dict.fromkeys(("strict", "regenerate", "trust_remote_code", "overwrite", "check_disk"), (bool,)),
     **dict.fromkeys(("layers", "shard", "decoder_path"), (str, type(None))),
-    **dict.fromkeys(("model", "data_format", "long_samples", "dtype", "storage_dtype", "format"), (str,)),
+    **dict.fromkeys(("model", "data_format", "long_samples", "dtype", "storage_dtype", "format", "states"), (str,)),
     "engine_args": (dict,),
 }
 
@@ -87,6 +88,7 @@ class ExtractConfig:
     host_memory: float | None = None  # GiB of captured states in host memory; None: hostmem.default_budget()
     check_disk: bool = True  # the CLI's --no-disk-check sets it False
     stall_timeout: float | None = 1800.0  # seconds without progress that count as a hang; None or 0: never
+    states: str = "all"  # "none": the dataset files only, for a trainer that asks `eagle-extract serve`
 
     @classmethod
     def from_options(cls, **options) -> ExtractConfig:

@@ -382,7 +382,7 @@ def _complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerate
             "their rows differ in dtype; rerun every shard into a new output with --dtype set to one of them"
         )
     dtype = engines.pop() if engines else plan.dtype  # the engine's: --dtype auto may not be config.json's
-    _name_by_index(output, rows, cfg.legacy, len(runs) if plan.shard else None, finish)
+    _name_by_index(output, rows, cfg.legacy, len(runs) if plan.shard else None, finish, cfg.states == "all")
     try:
         write_dataset(output, rows.dataset(), rows.token_freq())
     except OSError as exc:
@@ -390,6 +390,7 @@ def _complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerate
     extract_s = max(r["extract_s"] for r in runs)
     manifest = {
         "format": LEGACY if cfg.legacy else "speculators-offline",
+        "states": cfg.states,  # "none": rows without a file get their states from `eagle-extract serve`
         "identity": plan.identity,
         "config": cfg.record(),
         "model": str(cfg.model),
@@ -425,7 +426,7 @@ def _complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerate
             "extract_s": extract_s,
             "tokens_per_s": round(sum(r["tokens"] for r in runs) / extract_s, 1) if extract_s else 0.0,
         },
-        "bytes_written": sum(hidden_state_path(output, i, cfg.legacy).stat().st_size for i in range(counts["samples"])),
+        "bytes_written": _bytes_written(output, counts["samples"], cfg.legacy, cfg.states == "all"),
         "versions": _versions(),
     }
     try:
@@ -448,17 +449,31 @@ def remove_leftovers(output: Path) -> None:
 RENAMERS = 16  # threads: a rename on a network filesystem is a round trip to its server, which they overlap
 
 
-def _name_by_index(output: Path, rows: DatasetRows, legacy: bool, num_shards: int | None, finish: str) -> None:
+def _bytes_written(output: Path, samples: int, legacy: bool, every_row: bool) -> int:
+    """Of the rows' files; with --states none (not `every_row`) rows may have none."""
+    total = 0
+    for i in range(samples):
+        try:
+            total += hidden_state_path(output, i, legacy).stat().st_size
+        except FileNotFoundError:
+            if every_row:
+                raise
+    return total
+
+
+def _name_by_index(
+    output: Path, rows: DatasetRows, legacy: bool, num_shards: int | None, finish: str, every_row: bool = True
+) -> None:
     """Every row's file under its dataset index: the shards' files, named by source row, are renamed (in
     threads: on a network filesystem a rename is a round trip).  A completion cut midway is redone: a file
-    already renamed is found under its index."""
+    already renamed is found under its index.  Unless `every_row` (--states none), rows may have none."""
     from concurrent.futures import ThreadPoolExecutor
 
     folder = output / shards.ROWS_DIR
     by_row, by_index = completed_rows(folder, legacy) if num_shards else set(), completed_rows(output, legacy)
     source = rows.source_rows.tolist()
     missing = [i for i, r in enumerate(source) if r not in by_row and i not in by_index]
-    if missing:
+    if missing and every_row:
         row = source[missing[0]]
         shard = f"{row % num_shards}/{num_shards}" if num_shards else None
         fix = f"rerun the --shard {shard} job (or the --dp {num_shards} command)" if shard else finish

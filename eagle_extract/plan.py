@@ -37,6 +37,8 @@ class Plan:
         return self.identity["dtype"]
 
     def bytes_per_token(self) -> int:
+        if self.cfg.states == "none":
+            return 12  # the dataset's input_ids and loss mask
         width = 1 if self.cfg.fp8 else (4 if self.dtype in ("float32", "float") else 2)
         return len(self.slot_ids) * self.shape.hidden_size * width + 12
 

@@ -139,6 +139,8 @@ def check_options(cfg: ExtractConfig) -> None:
             "--regenerate cannot be combined with --shard yet; regenerate in one run, or shard its "
             "regenerated.jsonl as --data"
         )
+    if cfg.legacy and cfg.states == "none":
+        raise ExtractError("--states none is for speculators' online trainer; the legacy format has no online mode")
     if cfg.legacy and cfg.fp8:
         raise ExtractError("--storage-dtype fp8 is not part of the legacy format; drop one of the two options")
     if cfg.seq_length < 2:

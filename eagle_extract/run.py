@@ -160,7 +160,11 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
         with engine_errors(run_log.path):  # the stream's failures are one line here too
             first_batch = next(batches, None)  # None: nothing to write (a rerun of a finished shard, say): no engine
         stats, extract_s, handed, tokens, pending = {}, 0.0, 0, 0, set()
-        if first_batch is not None:
+        if first_batch is not None and cfg.states == "none":  # the dataset files only: no engine
+            for batch in itertools.chain([first_batch], batches):
+                handed += len(batch)
+                tokens += sum(len(ids) for _, ids, _ in batch)
+        elif first_batch is not None:
             with engine_errors(run_log.path):
                 if llm is None:
                     t0 = time.perf_counter()

@@ -191,6 +191,39 @@ def test_an_uncollected_file_is_removed_and_a_full_spool_makes_requests_wait(smo
     Path(answer["kv_transfer_params"]["hidden_states_path"]).unlink()
 
 
+def _served(server: Server) -> int:
+    with urllib.request.urlopen(server.url.removesuffix("/v1") + "/health", timeout=30) as r:
+        return json.loads(r.read())["rows"]
+
+
+def test_a_dataset_without_states_takes_its_kept_rows_from_disk_and_the_rest_from_the_server(
+    smollm2_server, smollm2, tmp_path
+):
+    """`--states none` writes the dataset files with no engine; a row whose file is in hidden_states/ (a partial
+    offline run's) is read there, every other one is asked of the server."""
+    from datasets import load_from_disk
+    from hs_connectors import FileTransfer
+
+    from .conftest import run_cli
+
+    s, out = smollm2_server, tmp_path / "out"
+    shown = run_cli("--model", str(smollm2), "--output", str(out), "--states", "none", "--max-samples", "6",
+                    "--dtype", "float32", "--layers", "2,15,27").stdout  # fmt: skip
+    assert "hidden_states" not in {p.name for p in out.iterdir()} or not any((out / "hidden_states").iterdir())
+    assert "starting the engine" not in shown
+    rows = [r.tolist() for r in load_from_disk(str(out))["input_ids"]]
+    got, answer = s.post("/completions", {"model": s.model, "prompt": rows[0]})  # row 0, as an offline run wrote it
+    (out / "hidden_states").mkdir(exist_ok=True)
+    os.replace(answer["kv_transfer_params"]["hidden_states_path"], out / "hidden_states" / "hs_0.safetensors")
+    assert run_cli("verify", str(out)).returncode == 0
+    before = _served(s)
+    online = _online_dataset(out, s, FileTransfer(out / "hidden_states"))
+    items = [online[i] for i in range(len(rows))]
+    assert all(isinstance(item, dict) for item in items) and _served(s) - before == len(rows) - 1
+    assert [item["input_ids"].tolist() for item in items] == rows
+    assert (out / "hidden_states" / "hs_0.safetensors").exists()  # a kept row is never deleted by the loader
+
+
 def test_sigterm_answers_the_request_in_flight_then_removes_the_spool_and_exits_0(smollm2_server):
     s = smollm2_server
     answers = []
