@@ -74,7 +74,9 @@ OPTION = {  # every option of the commands that run a model, declared once; each
         show_default=True,
         help="Row format; 'auto' detects it per row.",
     ),
-    "strict": click.option("--strict", is_flag=True, help="Stop at the first bad row, naming it, instead of skipping it."),
+    "strict": click.option(
+        "--strict", is_flag=True, help="Stop at the first bad row, naming it, instead of skipping it."
+    ),
     "output": click.option(
         "--output",
         type=click.Path(path_type=Path),
@@ -89,20 +91,24 @@ OPTION = {  # every option of the commands that run a model, declared once; each
         "entering layer L). The final slot (id = number of layers) is always added. "
         "[default: 2, n//2, n-3]",
     ),
-    "tp": click.option("--tp", type=int, default=D.tp, show_default=True, help="Tensor-parallel size (GPUs per engine)."),
+    "tp": click.option(
+        "--tp", type=int, default=D.tp, show_default=True, help="Tensor-parallel size (GPUs per engine)."
+    ),
     "pp": click.option(
         "--pp",
         type=int,
         default=D.pp,
         show_default=True,
-        help="Pipeline-parallel stages (engine GPUs = --tp x --pp); each stage captures its own layers. GPU builds only.",
+        help="Pipeline-parallel stages (engine GPUs = --tp x --pp); each stage captures its own layers. "
+        "GPU builds only.",
     ),
     "dp": click.option(
         "--dp",
         type=click.IntRange(min=1),
         default=D.dp,
         show_default=True,
-        help="Engine replicas on this machine, each with --tp GPUs (or a share of the CPU cores) and a share of the rows.",
+        help="Engine replicas on this machine, each with --tp GPUs (or a share of the CPU cores) and a share of "
+        "the rows.",
     ),
     "shard": click.option(
         "--shard",
@@ -111,7 +117,9 @@ OPTION = {  # every option of the commands that run a model, declared once; each
         help="Process only part I of N of the rows (0 <= I < N), for N jobs sharing one --output; the last to finish "
         "(or `eagle-extract merge`) completes the dataset. docs/scaling.md",
     ),
-    "max_samples": click.option("--max-samples", type=int, default=None, help="Use at most this many rows. [default: all]"),
+    "max_samples": click.option(
+        "--max-samples", type=int, default=None, help="Use at most this many rows. [default: all]"
+    ),
     "seq_length": click.option(
         "--seq-length",
         type=int,
@@ -133,7 +141,11 @@ OPTION = {  # every option of the commands that run a model, declared once; each
         "(questions-only data becomes training data); saved as regenerated.jsonl in --output.",
     ),
     "temperature": click.option(
-        "--temperature", type=float, default=D.temperature, show_default=True, help="--regenerate sampling; 0 is greedy."
+        "--temperature",
+        type=float,
+        default=D.temperature,
+        show_default=True,
+        help="--regenerate sampling; 0 is greedy.",
     ),
     "top_p": click.option("--top-p", type=float, default=D.top_p, show_default=True, help="--regenerate sampling."),
     "max_new_tokens": click.option(
@@ -184,7 +196,9 @@ OPTION = {  # every option of the commands that run a model, declared once; each
         help="Dotted path of the module that owns the decoder `layers`, when the search cannot tell "
         "(e.g. language_model.model).",
     ),
-    "trust_remote_code": click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (config, tokenizer)."),
+    "trust_remote_code": click.option(
+        "--trust-remote-code", is_flag=True, help="Allow the model's own Python code (config, tokenizer)."
+    ),
     "overwrite": click.option("--overwrite", is_flag=True, help="Replace an existing extraction in --output."),
     "storage_dtype": click.option(
         "--storage-dtype",
@@ -238,7 +252,8 @@ OPTION = {  # every option of the commands that run a model, declared once; each
         is_flag=True,
         flag_value=False,
         default=D.check_disk,
-        help="Start even when the estimated output is larger than the free disk space (e.g. space freed during the run).",
+        help="Start even when the estimated output is larger than the free disk space (e.g. space freed during "
+        "the run).",
     ),
     "states": click.option(
         "--states",

@@ -434,7 +434,9 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
         while redo:  # rows an ambiguous step may have mixed up: each alone, where nothing can be confused
             rows, redo[:] = sorted(set(redo)), []
             if alone.intersection(rows):
-                raise ExtractError(f"row {min(alone.intersection(rows))} was ambiguous even alone; report this as a bug")
+                raise ExtractError(
+                    f"row {min(alone.intersection(rows))} was ambiguous even alone; report this as a bug"
+                )
             alone.update(rows)
             note(f"running {len(rows)} rows again, one at a time: a step's runs could have been more than one row's")
             for i in rows:

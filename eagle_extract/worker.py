@@ -45,8 +45,9 @@ class HiddenStateExtension:
         as part files (stages.py) that the driver joins, in the requested format, into each row's file.
         With `fp8` a whole model's states are quantised on its device; part files are joined, then
         quantised, on the host.  `host_memory` bytes (default: hostmem.default_budget()) bound the
-        captured states held in host memory; `durable` files are fsynced (not the server's spool's).  Every file records its slots' layer ids, taken from
-        `aux_ids` and the layer count of the model loaded here, for `verify` to hold the manifest to."""
+        captured states held in host memory; `durable` files are fsynced (not the server's spool's).
+        Every file records its slots' layer ids, taken from `aux_ids` and the layer count of the model
+        loaded here, for `verify` to hold the manifest to."""
         model = self.get_model()
         stack = find_decoder(model, decoder_path)
         slots = stage_slots(aux_ids, stack.num_layers, stack.start, stack.end)
@@ -67,7 +68,11 @@ class HiddenStateExtension:
             folder = output if whole else info["part"]
             layer_ids = [(aux_ids + [stack.num_layers])[k] for k in slots]  # recorded in every file it writes
             writer = BackgroundWriter(
-                folder, fp8=fp8 and whole, legacy=legacy and whole, threads=writer_threads, layer_ids=layer_ids,
+                folder,
+                fp8=fp8 and whole,
+                legacy=legacy and whole,
+                threads=writer_threads,
+                layer_ids=layer_ids,
                 durable=durable,
             )
             budget = ByteBudget(host_memory or default_budget())

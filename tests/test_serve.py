@@ -170,7 +170,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(smollm2_ser
     path.unlink()
     got, answer = s.post("/chat/completions", {"model": s.model, "messages": [{"role": "user", "content": "Hi"}],
                                                "add_generation_prompt": False, "return_token_ids": True})  # fmt: skip
-    assert got == 200 and answer["prompt_token_ids"] and Path(answer["kv_transfer_params"]["hidden_states_path"]).exists()
+    assert (
+        got == 200 and answer["prompt_token_ids"] and Path(answer["kv_transfer_params"]["hidden_states_path"]).exists()
+    )
     Path(answer["kv_transfer_params"]["hidden_states_path"]).unlink()
 
 
@@ -256,7 +258,9 @@ def test_fp8_rows_read_by_fp8transfer_and_a_dead_engine_ends_the_server(tmp_path
         for i, ids in enumerate(rows):
             item = online[i]
             assert isinstance(item, dict), item
-            got = torch.cat([item["hidden_states"].unflatten(1, (2, -1)), item["verifier_last_hidden_states"][:, None]], 1)
+            got = torch.cat(
+                [item["hidden_states"].unflatten(1, (2, -1)), item["verifier_last_hidden_states"][:, None]], 1
+            )
             assert rel_err(got.float(), ref.slots(ids, [1, 3, 6])) < 0.05  # bf16 engine, FP8 storage
         engine = [p for p in psutil.Process(server.proc.pid).children(recursive=True) if p.name().startswith("VLLM::")]
         assert engine, "no vLLM engine process found"
