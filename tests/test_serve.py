@@ -31,6 +31,13 @@ from .common import Reference, rel_err
 TTL_S = 8  # --spool-ttl of the SmolLM2 server: an uncollected file goes this long after it was written
 
 
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -45,7 +52,7 @@ class Server:
         cmd = [sys.executable, "-m", "eagle_extract", "serve", "--model", self.model, "--port", str(self.port),
                "--spool", str(spool), *args]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)  # fmt: skip
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + 300
@@ -74,10 +81,22 @@ class Server:
     def state_files(self) -> list[Path]:
         return sorted((self.folder() / "hidden_states").glob("*")) if (self.folder() / "hidden_states").exists() else []
 
+    def engine(self) -> list[psutil.Process]:
+        return [p for p in psutil.Process(self.proc.pid).children(recursive=True) if p.name().startswith("VLLM::")]
+
     def stop(self) -> None:
+        """After a failed test too: no engine process of this server may outlive it."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -233,8 +252,10 @@ def test_sigterm_answers_the_request_in_flight_then_removes_the_spool_and_exits_
     client.start()
     time.sleep(0.3)
     t0 = time.monotonic()
+    engine = s.engine()
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(timeout=30) == 0, "".join(s.lines)
+    assert not [p for p in engine if _alive(p)]
     client.join(5)
     assert time.monotonic() - t0 < 30
     assert answers and answers[0][0] == 200, answers
@@ -262,13 +283,39 @@ def test_fp8_rows_read_by_fp8transfer_and_a_dead_engine_ends_the_server(tmp_path
                 [item["hidden_states"].unflatten(1, (2, -1)), item["verifier_last_hidden_states"][:, None]], 1
             )
             assert rel_err(got.float(), ref.slots(ids, [1, 3, 6])) < 0.05  # bf16 engine, FP8 storage
-        engine = [p for p in psutil.Process(server.proc.pid).children(recursive=True) if p.name().startswith("VLLM::")]
-        assert engine, "no vLLM engine process found"
-        engine[0].kill()
+        engine = server.engine()
+        assert len(engine) >= 2, "no vLLM engine core and worker found"
+        worker = next(p for p in engine if "Worker" in p.name())
+        worker.kill()
         assert server.proc.wait(timeout=60) != 0
         time.sleep(0.5)
+        assert not [p for p in engine if _alive(p)]  # none left
         shown = [line for line in server.lines if line.strip()]
         assert shown[-1].startswith("Error: the vLLM engine failed"), shown[-3:]
         assert server.state_files() == []
     finally:
         server.stop()
+
+
+def test_bad_server_options_get_one_line_before_the_engine(smollm2):
+    from .common import assert_documented
+    from .conftest import run_cli
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cases = {
+            "pipeline stages": ["--pp", "2"],
+            "a port out of range": ["--port", "0"],
+            "a port another process listens on": ["--port", str(taken.getsockname()[1])],
+            "a spool bound below 1": ["--spool-bytes", "0"],
+            "a TTL that is not a positive number": ["--spool-ttl", "nan"],
+            "an empty API key": ["--api-key", ""],
+            "a spool that cannot be made": ["--spool", "/proc/x"],
+        }
+        for case, args in cases.items():
+            proc = run_cli("serve", "--model", str(smollm2), *args, check=False)
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 1 and len(lines) == 1, (case, proc.stdout, proc.stderr)
+            assert "starting the engine" not in proc.stdout
+            assert_documented("The server", case, lines[0])

@@ -1,0 +1,148 @@
+"""Rows per second served to speculators' own online client against offline extraction of the same rows.
+
+    python benchmarks/online.py --model PATH [--dummy] --rows 512 --prompt-len 1024 --spool /dev/shm --spool /tmp
+
+For each spool folder: offline, `eagle-extract` writes the rows into that folder (`--reps` runs, the engine
+start not counted: the manifest's extract_s); online, one `eagle-extract serve` with its spool there, and
+`--threads` threads (speculators' loader runs 12 workers a rank) pulling every row through speculators'
+ArrowDataset and hs-connectors' FileTransfer (request, answer, load, check, delete), `--reps` passes.  Rows
+are random token ids of --prompt-len (a fixed seed), the same for both.  Prints a table; --json saves it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rows(n: int, length: int, vocab: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(100, vocab, (n, length), generator=g).tolist()
+
+
+def _model_args(args) -> list[str]:
+    extra = ["--engine-arg", "load_format=dummy"] if args.dummy else []
+    return ["--model", args.model, "--dtype", args.dtype, *extra, *args.extra]
+
+
+def offline(args, data: Path, folder: Path) -> float:
+    """Rows per second of one extraction into `folder` (engine start not counted)."""
+    out = Path(tempfile.mkdtemp(prefix="offline.", dir=folder))
+    try:
+        cmd = [sys.executable, "-m", "eagle_extract", *_model_args(args), "--data", str(data), "--data-format",
+               "tokens", "--output", str(out), "--overwrite", "--no-disk-check"]  # fmt: skip
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        manifest = json.loads((out / "eagle_extract.json").read_text())
+        return manifest["num_samples"] / manifest["timing"]["extract_s"]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+class Serving:
+    def __init__(self, args, folder: Path) -> None:
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "eagle_extract", "serve", *_model_args(args), "--port", str(self.port),
+               "--spool", str(folder)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        while not any(line.startswith("serving ") for line in self.lines):
+            if self.proc.poll() is not None:
+                raise SystemExit("".join(self.lines))
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def online(args, datapath: Path, server: Serving, rows: int) -> float:
+    """Rows per second of one pass of speculators' client over every row."""
+    from hs_connectors import FileTransfer
+    from speculators.train.data import ArrowDataset
+
+    ds = ArrowDataset(max_len=args.prompt_len + 1, datapath=str(datapath), transfer=FileTransfer(datapath / "hs"),
+                      vllm_endpoint=f"http://127.0.0.1:{server.port}/v1", model=args.model, on_missing="generate",
+                      train_ratio=1.0, split="train", request_timeout=600, max_retries=1)  # fmt: skip
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.threads) as pool:
+        items = list(pool.map(ds.__getitem__, range(rows)))
+    seconds = time.perf_counter() - t0
+    failed = [i for i, item in enumerate(items) if not isinstance(item, dict)]
+    if failed:
+        raise SystemExit(f"{len(failed)} rows failed, first {failed[0]}: {items[failed[0]]}")
+    return rows / seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dummy", action="store_true", help="random weights (load_format=dummy)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=12)
+    ap.add_argument("--spool", action="append", required=True, help="folder for both modes' files (repeatable)")
+    ap.add_argument("--extra", nargs="*", default=[], help="further eagle-extract options for both modes")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(args.model))
+    rows = _rows(args.rows, args.prompt_len, vocab)
+    work = Path(tempfile.mkdtemp(prefix="online-bench."))
+    data = work / "rows.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    datapath = work / "dataset"
+    ds = Dataset.from_dict({"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows],
+                            "seq_len": [len(r) for r in rows]})  # fmt: skip
+    ds.set_format("torch")
+    ds.save_to_disk(str(datapath))
+    results = []
+    for spool in map(Path, args.spool):
+        spool.mkdir(parents=True, exist_ok=True)
+        off = [offline(args, data, spool) for _ in range(args.reps)]
+        server = Serving(args, spool)
+        try:
+            on = [online(args, datapath, server, args.rows) for _ in range(args.reps)]
+        finally:
+            server.stop()
+        row = {"spool": str(spool), "offline_rows_s": off, "online_rows_s": on,
+               "ratio": statistics.median(on) / statistics.median(off)}  # fmt: skip
+        results.append(row)
+        print(f"{spool}: offline {statistics.median(off):.1f} rows/s {off}, online {statistics.median(on):.1f} "
+              f"rows/s {on}, online/offline {row['ratio']:.3f}", flush=True)  # fmt: skip
+    print(f"{args.model}, {args.rows} rows x {args.prompt_len} tokens, {args.threads} client threads")
+    print("| spool | offline rows/s | online rows/s | online/offline |")
+    for r in results:
+        off, on = statistics.median(r["offline_rows_s"]), statistics.median(r["online_rows_s"])
+        print(f"| {r['spool']} | {off:.1f} | {on:.1f} | {r['ratio']:.3f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
