@@ -182,8 +182,17 @@ def _changed(now: str, meta: dict) -> str:
     return f"bytes changed since it was written (checksum {meta[CHECKSUM]} recorded, its data gives {now})"
 
 
+NO_CHECKSUM = "its header records no checksum, which every row of this output's release carries"
+
+
+def _lost_checksum(meta: dict, required: bool) -> bool:
+    """A release that records layer ids records the checksum too, and the manifest says when every row has
+    one: a header without it was changed, and the checksum cannot be switched off so."""
+    return CHECKSUM not in meta and (required or LAYER_IDS in meta)
+
+
 def check_legacy_row(
-    output: Path, index: int, row: dict, slots: int, hidden: int, dtype
+    output: Path, index: int, row: dict, slots: int, hidden: int, dtype, checksums: bool = False
 ) -> tuple[str | None, str | None]:
     """The problem with row `index`'s data_{i}.pt (speculators 0.3/0.4 layout) or None, and the layer
     ids the file records (None when it records none)."""
@@ -202,6 +211,8 @@ def check_legacy_row(
     expected = (len(ids), hidden)
     if len(states) != slots or any(tuple(t.shape) != expected or t.dtype != dtype for t in states):
         return f"hidden_states is not {slots} tensors of {expected} {dtype}", layer_ids
+    if _lost_checksum(meta, checksums):
+        return NO_CHECKSUM, layer_ids
     now = changed_since_written(legacy_tensors(sample), meta)
     if now:
         return _changed(now, meta), layer_ids
@@ -211,7 +222,7 @@ def check_legacy_row(
 
 
 def check_row(
-    output: Path, index: int, input_ids: torch.Tensor, slots: int, hidden: int, dtype
+    output: Path, index: int, input_ids: torch.Tensor, slots: int, hidden: int, dtype, checksums: bool = False
 ) -> tuple[str | None, str | None]:
     """The problem with row `index`'s file or None, and the layer ids it records (None when it records
     none).  The checksum is taken over the tensors read for the other checks: one read of the file."""
@@ -237,6 +248,8 @@ def check_row(
             shape = f"{tuple(scales.shape)} {scales.dtype}"
             return f"{SCALES} shape {shape}, expected ({len(input_ids)}, 1, 1) float32", layer_ids
         hs = hs.float() * scales
+    if _lost_checksum(meta, checksums):
+        return NO_CHECKSUM, layer_ids
     now = changed_since_written(tensors, meta)
     if now:
         return _changed(now, meta), layer_ids
@@ -315,10 +328,11 @@ def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None,
         tokens, loss_tokens = tokens + int(row["seq_len"]), loss_tokens + int(row["loss_mask"].sum())
         if not layout:  # the manifest's problems above say why the files cannot be checked
             continue
+        checksums = manifest.get("row_checksums") is True
         if legacy:
-            problem, layer_ids = check_legacy_row(output, i, row, slots, hidden, dtype)
+            problem, layer_ids = check_legacy_row(output, i, row, slots, hidden, dtype, checksums)
         else:
-            problem, layer_ids = check_row(output, i, row["input_ids"], slots, hidden, dtype)
+            problem, layer_ids = check_row(output, i, row["input_ids"], slots, hidden, dtype, checksums)
         if problem == "hidden-state file missing" and manifest.get("states") == "none":
             continue  # the online trainer asks the server for this row
         if problem:

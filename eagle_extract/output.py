@@ -391,6 +391,7 @@ def _complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerate
     manifest = {
         "format": LEGACY if cfg.legacy else "speculators-offline",
         "states": cfg.states,  # "none": rows without a file get their states from `eagle-extract serve`
+        "row_checksums": True,  # every row's header carries one: verify refuses a row without
         "identity": plan.identity,
         "config": cfg.record(),
         "model": str(cfg.model),

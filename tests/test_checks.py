@@ -227,6 +227,21 @@ def test_rows_written_before_rows_recorded_checksums_still_pass(tmp_path):
     assert find_problems(out, progress=False) == []
 
 
+def test_a_header_that_lost_its_checksum_cannot_hide_a_changed_byte(tmp_path):
+    """Dropping the key and flipping a state bit: the row still records its layer ids, which the same
+    release writes with the checksum; and the manifest of this release says every row carries one."""
+    from eagle_extract.checks import NO_CHECKSUM
+
+    out, manifest = make_output(tmp_path)
+    path = hidden_state_path(out, 1)
+    tensors, meta = read_row(path)
+    save_file(tensors, str(path), metadata={k: v for k, v in meta.items() if k != "checksum"})
+    flip_a_bit(path)
+    assert find_problems(out, progress=False) == [(1, NO_CHECKSUM)]
+    save_file(read_row(path)[0], str(path))  # the whole header gone: the manifest's promise still holds it
+    assert edited(out, manifest, row_checksums=True) == [(1, NO_CHECKSUM)]
+
+
 def test_joined_pipeline_rows_record_every_slot_and_parts_are_checked(tmp_path):
     out = tmp_path / "out"
     (out / "hidden_states").mkdir(parents=True)
