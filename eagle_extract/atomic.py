@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from .errors import ExtractError
+
 
 def temporary_name(path: Path) -> Path:
     """Where `path` is written before the rename: a dot-name beside it (a resumed run sweeps the rows')."""
@@ -43,6 +45,30 @@ def fsync(path: Path) -> None:
 
 def write_json(path: Path, data, durable: bool = False) -> None:
     write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"), durable=durable)
+
+
+def write_record(path: Path, data) -> None:
+    """A record a rerun or `merge` reads (the run file, a shard's finished record, the manifest): its bytes,
+    then its name, on the disk before the run goes on, so a power cut leaves the old record or the new one."""
+    write_json(path, data, durable=True)
+    fsync(Path(path).parent)
+
+
+def read_record(path: Path, fix: str) -> dict:
+    """A record written by write_record, as a JSON object; an unreadable one (emptied by a filesystem that
+    lost it, edited by hand) raises RecordError: one line naming `path`, then `fix`."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise RecordError(f"{path} is unreadable ({why}); {fix}") from None
+    if not isinstance(record, dict):
+        raise RecordError(f"{path} is unreadable (not a JSON object); {fix}")
+    return record
+
+
+class RecordError(ExtractError, ValueError):
+    """An unreadable record: the line names the file and what to do."""
 
 
 def is_disk_full(exc: Exception) -> bool:

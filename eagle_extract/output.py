@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import lock, shards
-from .atomic import fsync, write_atomically, write_json
+from .atomic import fsync, read_record, write_atomically, write_record
 from .config import LEGACY, ExtractConfig
 from .errors import ExtractError
 from .layers import CONVENTION, legacy_layer_ids
@@ -84,13 +84,12 @@ def other_releases(output: Path, identity: dict, shard: tuple[int, int] | None) 
 
 
 def _record(path: Path) -> dict:
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        record = None
-    if not isinstance(record, dict):  # a power cut can empty a record written just before it
-        raise ExtractError(f"{path} is unreadable; rerun with --overwrite to start {path.parent} over")
-    return record
+    """A run file, or a shard's finished record: deleting it loses no row (the rerun keeps every whole file)."""
+    if path.parent.name == shards.SHARDS_DIR:
+        fix = f"delete it and rerun that shard's job (--shard {path.stem.replace('-of-', '/')}): its rows are kept"
+    else:
+        fix = "delete it and rerun the same command: every row already written is kept"
+    return read_record(path, fix)
 
 
 def _sweep(output: Path) -> None:
@@ -239,7 +238,7 @@ def prepare_output(output: Path, identity: dict, overwrite: bool, shard: tuple[i
     done = completed_rows(shards.rows_folder(output, shard), legacy)
     if shard is None:  # a shard leaves the others' files in flight alone: it writes its own again anyway
         _sweep(output)
-    write_json(output / run_file(shard), identity)
+    write_record(output / run_file(shard), identity)
     return done
 
 
@@ -505,7 +504,8 @@ def _write_skip_report(output: Path, rows: DatasetRows, skipped: int) -> None:
                 f.write(json.dumps({"row": row, "reason": why}) + "\n")
 
     if skipped:
-        write_atomically(output / SKIPPED, save)
+        write_atomically(output / SKIPPED, save, durable=True)
+        fsync(output)
 
 
 def complete_shard(plan: Plan, store: TokenStore, summary: dict, log) -> dict:
@@ -577,6 +577,6 @@ def reopen(output: Path, rows: list[int]) -> ExtractConfig:
         )
     for i in rows:
         hidden_state_path(output, i, manifest.get("format") == LEGACY).unlink(missing_ok=True)
-    write_json(output / RUN_FILE, manifest["identity"])  # the output is an unfinished run again ...
+    write_record(output / RUN_FILE, manifest["identity"])  # the output is an unfinished run again ...
     (output / MANIFEST).unlink()  # ... and no longer looks complete
     return ExtractConfig.from_options(**{**manifest["config"], "output": output, "shard": None})

@@ -11,12 +11,11 @@ whoever finds all N there first completes the dataset, under a lock file so that
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
-from .atomic import write_json
+from .atomic import read_record, write_record
 from .errors import ExtractError
 
 SHARDS_DIR = "shards"
@@ -56,7 +55,7 @@ def owns(shard: tuple[int, int] | None, source_row: int) -> bool:
 def record_finished(output: Path, shard: tuple[int, int], summary: dict) -> None:
     folder = Path(output) / SHARDS_DIR
     folder.mkdir(exist_ok=True)
-    write_json(folder / f"{shard_name(shard)}.json", summary)
+    write_record(folder / f"{shard_name(shard)}.json", summary)
 
 
 def finished(output: Path, num_shards: int) -> dict[int, dict]:
@@ -65,14 +64,21 @@ def finished(output: Path, num_shards: int) -> dict[int, dict]:
     for k in range(num_shards):
         path = folder / f"{shard_name((k, num_shards))}.json"
         if path.is_file():
-            found[k] = json.loads(path.read_text())
+            found[k] = read_record(path, _rerun_shard(k, num_shards))
     return found
+
+
+def _rerun_shard(k: int, num_shards: int) -> str:
+    return f"delete it and rerun that shard's job (--shard {k}/{num_shards}): its rows are kept"
 
 
 def any_summary(output: Path) -> dict | None:
     folder = Path(output) / SHARDS_DIR
     paths = sorted(folder.glob("*-of-*.json")) if folder.is_dir() else []
-    return json.loads(paths[0].read_text()) if paths else None
+    if not paths:
+        return None
+    k, num = map(int, paths[0].stem.split("-of-"))
+    return read_record(paths[0], _rerun_shard(k, num))
 
 
 def claim_completion(output: Path) -> bool:

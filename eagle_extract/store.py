@@ -62,7 +62,10 @@ class TokenStore:
         for marker in sorted(self.folder.glob("chunk_*.json")):
             if int(marker.stem[6:]) != len(self.chunks) or not marker.with_suffix(".arrow").is_file():
                 break  # a chunk is only ever written after the one before it
-            meta = json.loads(marker.read_text())
+            try:
+                meta = json.loads(marker.read_text())
+            except ValueError:  # emptied by a filesystem that lost it: this chunk and those after are redone
+                break
             if "seen" not in meta and self.folder.name != STORE:  # a shard's from before shards kept their own
                 break  # rows only: it holds every row, so it is started over
             self.chunks.append(self._chunk(len(self.chunks), meta))

@@ -42,7 +42,7 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .atomic import fsync, write_atomically, write_json
+from .atomic import fsync, write_atomically, write_record
 from .errors import ExtractError
 from .fp8 import SCALES, to_fp8
 
@@ -272,7 +272,7 @@ def write_dataset(output: Path, rows, freq: dict[int, int]) -> None:
 
 
 def write_manifest(output: Path, manifest: dict) -> None:
-    write_json(Path(output) / MANIFEST, manifest, durable=True)
+    write_record(Path(output) / MANIFEST, manifest)
 
 
 def read_manifest(output: Path) -> dict:

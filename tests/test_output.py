@@ -251,3 +251,24 @@ def test_the_identity_holds_the_tokenizer_and_template_and_only_engine_arguments
     after = identity(engine_args={"quantization": "fp8"})
     assert after["tokenizer_sha256"] != before["tokenizer_sha256"]
     assert {k for k in before if before[k] != after[k]} == {"tokenizer_sha256"}
+
+
+def test_an_unreadable_record_is_one_line_naming_it_and_losing_no_row(tmp_path):
+    """An emptied shard record at `merge` and an emptied run file at a rerun: one line that names the file to
+    delete (never --overwrite, which would throw rows away), no traceback."""
+    from .conftest import run_cli
+
+    merged = tmp_path / "merged"
+    (merged / "shards").mkdir(parents=True)
+    (merged / "shards" / "1-of-2.json").write_text("")
+    rerun = tmp_path / "rerun"
+    rerun.mkdir()
+    (rerun / ".eagle_extract_run.json").write_text("{")
+    for args, fix in (
+        (["merge", str(merged)], "delete it and rerun that shard's job (--shard 1/2): its rows are kept"),
+        (["--output", str(rerun), "--max-samples", "3"], "delete it and rerun the same command"),
+    ):
+        proc = run_cli(*args, check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert "is unreadable (JSONDecodeError)" in lines[0] and fix in lines[0] and "--overwrite" not in lines[0]
