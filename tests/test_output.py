@@ -194,7 +194,7 @@ def test_a_folder_of_someone_elses_files_is_left_alone(tmp_path):
 
 def test_a_run_record_a_power_cut_emptied_is_one_line(tmp_path):
     (tmp_path / out.RUN_FILE).write_text("")
-    with pytest.raises(ExtractError, match=r"\.eagle_extract_run\.json is unreadable; rerun with --overwrite"):
+    with pytest.raises(ExtractError, match=r"\.eagle_extract_run\.json is unreadable \(JSONDecodeError\); delete it"):
         out.prepare_output(tmp_path, IDENTITY, overwrite=False)
 
 
