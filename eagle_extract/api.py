@@ -9,6 +9,7 @@ Every failure a user can fix is raised as `ExtractError`, with the one line the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,20 +121,26 @@ def extract(*, log=print, **options) -> Summary:
     return Summary.of(run(cfg, log=log), cfg.output)
 
 
+def _folder(output) -> Path:
+    if not isinstance(output, (str, os.PathLike)):
+        raise ExtractError(f"output={output!r}: give the output folder as a str or a Path")
+    return Path(output)
+
+
 def verify(output, progress: bool = False) -> Report:
     """Check an output file by file; returns the findings, raises nothing for a damaged output."""
-    return Report(Path(output), find_problems(Path(output), progress=progress))
+    return Report(_folder(output), find_problems(_folder(output), progress=progress))
 
 
 def merge(output) -> Summary:
     """Complete a sharded output once every shard has finished."""
-    return Summary.of(out.merge(Path(output)), output)
+    return Summary.of(out.merge(_folder(output)), output)
 
 
 def repair(output, rows: list[int], log=print) -> Summary:
     """Delete the given rows' files and rerun the recorded extraction, which rewrites just those;
     raises when `verify` still finds problems afterwards."""
-    output = Path(output)
+    output = _folder(output)
     if not (output / MANIFEST).exists():
         raise ExtractError("no manifest to repair from: rerun the original extraction command to resume it")
     log(f"repairing {len(rows)} row(s)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import click
@@ -437,7 +438,8 @@ def _summarise(summary: api.Summary) -> None:
         return
     ids = " ".join(map(str, summary.aux_layer_ids))  # speculators takes a space-separated list
     click.echo(
-        f"train on it: speculators train --verifier-name-or-path {summary.model} --data-path {output} "
+        f"train on it: speculators train --verifier-name-or-path {shlex.quote(str(summary.model))} "
+        f"--data-path {shlex.quote(str(output))} "
         f"--speculator-type eagle3 --target-layer-ids {ids}"
     )
 

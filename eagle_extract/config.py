@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from .errors import ExtractError
 from .formats import FORMATS
@@ -36,6 +36,8 @@ _TYPES = {  # what each option takes, where a wrong type would otherwise fail de
     **dict.fromkeys(("layers", "shard", "decoder_path"), (str, type(None))),
     **dict.fromkeys(("model", "data_format", "long_samples", "dtype", "storage_dtype", "format", "states"), (str,)),
     "engine_args": (dict,),
+    "output": (str, PurePath),
+    "data": (str, PurePath, type(None)),
 }
 
 

@@ -122,6 +122,18 @@ def tokenize_record(tokenizer, record: Record) -> tuple[list[int], list[int]]:
     return tokenize_conversation(tokenizer, record.messages)
 
 
+def _tokenized(tokenizer, record: Record) -> tuple[list[int], list[int]]:
+    """tokenize_record, where what the tokenizer or the template refuses (a lone surrogate, content nested
+    too deeply) is this row's problem, not the run's."""
+    try:
+        return tokenize_record(tokenizer, record)
+    except (BadRow, DataError):
+        raise
+    except (TypeError, ValueError, UnicodeError, RecursionError) as exc:
+        said = (str(exc).splitlines() or [""])[0][:160]
+        raise BadRow(f"the tokenizer cannot encode this row ({type(exc).__name__}: {said})") from None
+
+
 def row_name(source, number: int) -> str:
     """How a user finds row `number` of `source`: a line for JSONL files, an index otherwise."""
     source = os.fspath(source)
@@ -133,7 +145,11 @@ def read_records(path: Path, data_format: str = "auto", strict: bool = False, ne
     run with their row number under `strict`."""
     for number, row in read_rows(path):
         try:
-            yield to_record(number, row, data_format, need_assistant), number, None
+            try:
+                record = to_record(number, row, data_format, need_assistant)
+            except RecursionError:
+                raise BadRow("the row nests its content too deeply to read") from None
+            yield record, number, None
         except BadRow as exc:
             if strict:
                 raise DataError(f"{row_name(path, number)}: {exc}; fix the row or run without --strict") from None
@@ -155,7 +171,7 @@ def sample_from(record, number: int, reason: str | None, tokenizer, seq_length: 
             raise BadRow(reason)
         if record.messages is not None and not getattr(tokenizer, "chat_template", None):
             raise DataError("the model's tokenizer has no chat template; use a chat model or pre-tokenized rows")
-        ids, mask = tokenize_record(tokenizer, record)
+        ids, mask = _tokenized(tokenizer, record)
         if len(ids) > seq_length and options.get("long_samples") == "skip":
             return Skipped(number, f"{len(ids)} tokens, longer than --seq-length {seq_length}", long=True)
         truncated = len(ids) > seq_length

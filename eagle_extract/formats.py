@@ -143,6 +143,8 @@ def _text_rows(path: Path, gzipped: bool) -> Iterator[tuple[int, object]]:
             raise DataError(f"{path} is not UTF-8 text at byte {exc.start}; convert the file to UTF-8") from None
         except json.JSONDecodeError as exc:
             raise DataError(f"{path} is not valid JSON ({exc}); fix the file or convert it to JSONL") from None
+        except RecursionError:
+            raise DataError(f"{path} nests JSON too deeply to read; fix the file or convert it to JSONL") from None
         yield from enumerate(rows)
         return
     with _open(path, gzipped) as f:
@@ -157,6 +159,8 @@ def _text_rows(path: Path, gzipped: bool) -> Iterator[tuple[int, object]]:
                 yield number, BadRow(f"line is not UTF-8 text (byte {exc.start} of the line)")
             except json.JSONDecodeError as exc:
                 yield number, BadRow(f"malformed JSON line ({exc.msg} at column {exc.colno})")
+            except RecursionError:
+                yield number, BadRow("JSON nested too deeply to read")
 
 
 def _file_rows(path: Path) -> Iterator[tuple[int, object]]:
@@ -188,6 +192,10 @@ def read_rows(path: Path) -> Iterator[tuple[int, object]]:
         raise DataError(
             f"--data {path} is a folder but not a saved dataset (no dataset_info.json); "
             "pass a .json/.jsonl file or a folder written by datasets' save_to_disk"
+        )
+    if path.exists() and not path.is_file():
+        raise DataError(
+            f"--data {path} is not a regular file (a pipe or a device); save the rows to a file and pass that"
         )
     if not path.is_file():
         raise DataError(f"data file not found: {path}; pass an existing JSON, JSONL or Parquet file to --data")

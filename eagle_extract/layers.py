@@ -7,6 +7,8 @@ written as the final slot.
 
 from __future__ import annotations
 
+import re
+
 from .errors import ExtractError
 
 CONVENTION = (
@@ -31,10 +33,9 @@ def parse_layer_ids(text: str | None, num_layers: int) -> list[int]:
     ids = []
     for part in text.split(","):
         part = part.strip()
-        try:
-            ids.append(int(part))
-        except ValueError:
-            raise LayerError(f"--layers: '{part}' is not an integer; give comma-separated ids like 2,15,27") from None
+        if not re.fullmatch(r"[+-]?[0-9]+", part):  # int() would read 1_5 as 15 and ٣ as 3
+            raise LayerError(f"--layers: '{part}' is not an integer; give comma-separated ids like 2,15,27")
+        ids.append(int(part))
     valid = f"valid auxiliary ids are 0..{num_layers - 1} (the final slot, {num_layers}, is always written)"
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad:

@@ -101,23 +101,24 @@ def load_tokenizer(cfg: ExtractConfig):
 
 
 def check_options(cfg: ExtractConfig) -> None:
-    """Options out of their range, or contradicting each other, whatever the model."""
+    """Options out of their range, or contradicting each other, whatever the model.  Each range is written
+    as `not (inside)`, so that NaN, which every comparison fails, is out of it."""
     for name, choices in CHOICES.items():
         if getattr(cfg, name) not in choices:
             raise ExtractError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: choose one of {', '.join(choices)}")
     at_least_one = ("dp", "writer_threads", "batch_size", "regenerate_batch_size", "max_samples")
-    for name in (*at_least_one, "max_num_batched_tokens", "max_new_tokens"):
+    for name in (*at_least_one, "max_num_batched_tokens", "max_new_tokens", "seq_length"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ExtractError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
     if cfg.tokenize_processes is not None and cfg.tokenize_processes < 0:
         raise ExtractError(f"--tokenize-processes {cfg.tokenize_processes}: must be at least 0 (0: in the driver)")
     if cfg.layers is not None and not cfg.layers.strip():
         raise ExtractError("--layers is empty; give comma-separated ids like 2,15,27, or leave it out for the defaults")
-    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
+    if not 0 <= cfg.temperature < float("inf") or not 0 < cfg.top_p <= 1:
         raise ExtractError(
             f"--temperature {cfg.temperature} --top-p {cfg.top_p}: need temperature >= 0 and top-p in (0, 1]"
         )
-    if cfg.host_memory is not None and cfg.host_memory <= 0:
+    if cfg.host_memory is not None and not 0 < cfg.host_memory < float("inf"):
         raise ExtractError(f"--host-memory {cfg.host_memory}: give the GiB of host memory captured states may hold")
     if cfg.stall_timeout is not None and not 0 <= cfg.stall_timeout < float("inf"):
         raise ExtractError(

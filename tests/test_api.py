@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from eagle_extract import ExtractError, extract, verify
+from eagle_extract import ExtractError, extract, merge, verify
 from eagle_extract.config import ExtractConfig
 
 from .common import SAMPLE_DATA, assert_documented
@@ -59,6 +59,11 @@ def test_bad_input_raises_the_clis_line(tmp_path):
         extract(data=data, output=tmp_path / "out", strict=1)
     with pytest.raises(ExtractError, match="--layers: id 99 is out of range"):  # the ids as a list
         extract(data=data, output=tmp_path / "out", layers=[2, 99])
+    with pytest.raises(ExtractError, match="option output=None: expected str or PurePath"):
+        extract(data=data, output=None)
+    for call in (verify, merge):
+        with pytest.raises(ExtractError, match="output=None: give the output folder as a str or a Path"):
+            call(None)
     assert not (tmp_path / "out").exists()
 
 

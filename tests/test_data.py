@@ -136,6 +136,25 @@ def test_bad_rows_are_skipped_and_counted(tmp_path, tokenizer):
         load_samples(path, tokenizer, seq_length=512, strict=True)
 
 
+def test_rows_the_tokenizer_or_the_json_parser_refuse_are_bad_rows(tmp_path, tokenizer):
+    """A lone surrogate the tokenizer refuses, a line nested past Python's recursion limit, a whole JSON list
+    nested so: the rows are skipped and named (a whole file is one line), not the run's failure."""
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    lone = {"messages": [{"role": "user", "content": "a\ud800b"}, {"role": "assistant", "content": "Hello"}]}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join([json.dumps(good), json.dumps(lone), "[" * 50000 + "]" * 50000, json.dumps(good)]))
+    samples, report = load_samples(path, tokenizer, seq_length=512)
+    assert [s.row for s in samples] == [0, 3]
+    assert [(n, why.split(" (")[0]) for n, why in report.skipped] == [
+        (1, "the tokenizer cannot encode this row"),
+        (2, "JSON nested too deeply to read"),
+    ]
+    whole = tmp_path / "rows.json"
+    whole.write_text("[" * 50000 + "]" * 50000)
+    with pytest.raises(DataError, match="nests JSON too deeply to read"):
+        load_samples(whole, tokenizer, seq_length=512)
+
+
 def test_truncation_keeps_prefix_and_counts(tmp_path, tokenizer):
     row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "word " * 200}]}
     path = tmp_path / "long.json"

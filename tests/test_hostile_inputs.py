@@ -73,6 +73,9 @@ def _cases(tmp, model):
         (folder / "eagle_extract.json").write_text("{}")
     (tmp / "merge" / "shards").mkdir(parents=True)
     (tmp / "merge" / "shards" / "0-of-2.json").write_text(json.dumps({"shard": "0/2"}))
+    (tmp / "bad-record" / "shards").mkdir(parents=True)
+    (tmp / "bad-record" / "shards" / "1-of-2.json").write_text("")
+    os.mkfifo(tmp / "fifo")
     long_row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "word " * 9000}]}
     for name in ("config.json", "model.safetensors"):
         (tmp / "no-tokenizer" / name).symlink_to(model / name)
@@ -168,6 +171,10 @@ def _cases(tmp, model):
         ("output of a finished run, another command", ["--output", str(tmp / "complete")]),
         ("unfinished run with other settings", ["--output", str(tmp / "unfinished")]),
         ("a run record that a power cut emptied", ["--output", str(tmp / "emptied")]),
+        ("a shard's finished record emptied or edited", ["merge", str(tmp / "bad-record")]),
+        ("a pipe or a device as data", ["--data", str(tmp / "fifo")]),
+        ("a layer id written with an underscore or in another script", ["--layers", "1_5"]),
+        ("NaN where a number is expected", ["--temperature", "nan"]),
         (
             f"an unsharded run into an unfinished sharded run's output (without {B}--shard{B} or {B}--dp{B})",
             ["--output", str(tmp / "sharded-rows")],
