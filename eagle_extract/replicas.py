@@ -38,10 +38,10 @@ from .output import (
 )
 from .plan import make_plan
 from .run import run
-from .runlog import progress
-from .shards import ROWS_DIR, SHARDS_DIR
+from .runlog import PROGRESS_FILE, progress, shared_progress
+from .shards import SHARDS_DIR
 from .stream import expected_rows, first_chunks, first_counts
-from .writer import MANIFEST, completed_rows, read_manifest
+from .writer import MANIFEST, read_manifest
 
 
 def device_slices(dp: int, tp: int, pp: int = 1) -> list[dict]:
@@ -99,6 +99,7 @@ def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log, lock_
     dp, output = cfg.dp, Path(cfg.output)
     (output / SHARDS_DIR).mkdir(exist_ok=True)
     procs = []
+    progress_files = [output / SHARDS_DIR / f".{k}-of-{dp}.progress" for k in range(dp)]
     try:
         for k, part in enumerate(slices):
             share = (cfg.host_memory or default_budget() / 2**30) / dp  # the replicas share --host-memory
@@ -108,7 +109,8 @@ def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log, lock_
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "eagle_extract.replicas", json.dumps(config)],
-                        env={**os.environ, **part["env"], "TQDM_DISABLE": "1", REPLICA_ENV: str(os.getpid())},
+                        env={**os.environ, **part["env"], "TQDM_DISABLE": "1", REPLICA_ENV: str(os.getpid()),
+                             PROGRESS_FILE: str(progress_files[k])},  # fmt: skip
                         stdout=logfile,
                         stderr=subprocess.STDOUT,
                         preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)) if cores else None,
@@ -118,7 +120,7 @@ def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log, lock_
         log(f"{dp} replicas started ({', '.join(str(p.pid) for p in procs)}); logs in {output / SHARDS_DIR}")
         with progress(total, f"extract x{dp}", "row") as bar:
             while True:
-                bar.update(max(0, len(completed_rows(output / ROWS_DIR, cfg.legacy)) - bar.n))  # completion renames them away
+                bar.update(max(0, shared_progress(progress_files) - bar.n))
                 failed = [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]
                 if failed:
                     k = failed[0]
@@ -132,6 +134,8 @@ def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log, lock_
                     break
                 time.sleep(1)
     finally:
+        for path in progress_files:
+            path.unlink(missing_ok=True)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

@@ -22,7 +22,7 @@ from .errors import ExtractError, engine_errors
 from .formats import BadRow
 from .hostmem import default_budget
 from .plan import Plan, make_plan
-from .runlog import RunLog, progress
+from .runlog import RunLog, progress, share_progress
 from .stages import PartJoiner, check_layout
 from .store import TokenStore, store_name
 from .watch import HEARTBEAT_S, EngineWatch
@@ -418,6 +418,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
             rate = f"{done_tokens / (time.perf_counter() - t1):,.0f}"
             settled, lost, lost_tokens, dropped = got["matching"]
             on_disk = tally["kept"] + written  # rows on the disk, not rows handed to the engine
+            share_progress(on_disk)
             bar.total = max(bar.total or 0, tally["kept"] + handed)
             bar.update(on_disk - bar.n)
             bar.set_postfix(tok_s=rate, **({"unmatched": lost} if lost else {}))

@@ -18,6 +18,32 @@ import traceback
 
 NOTE = "eagle-extract: "  # after the stamp, on each line of ours in the log
 START = "start: "  # after NOTE, each run's first line in the log: where its part of the log begins
+PROGRESS_FILE = "EAGLE_EXTRACT_PROGRESS_FILE"  # a --dp replica's: where it tells its parent its rows on disk
+
+
+def share_progress(rows: int) -> None:
+    """A --dp replica's rows on disk, for its parent's display: one small file each, read once a second, so
+    the parent's cost does not grow with the rows (listing the row files did: 0.62 s at 200k files)."""
+    path = os.environ.get(PROGRESS_FILE)
+    if path:
+        try:
+            with open(f"{path}.tmp", "w") as f:
+                f.write(str(rows))
+            os.replace(f"{path}.tmp", path)
+        except OSError:  # the display only: the run goes on
+            pass
+
+
+def shared_progress(paths: list) -> int:
+    """The rows on disk the replicas' progress files give together."""
+    total = 0
+    for path in paths:
+        try:
+            with open(path) as f:
+                total += int(f.read() or 0)
+        except (OSError, ValueError):
+            pass
+    return total
 _terminal = None  # the terminal's stderr while a RunLog holds fds 1 and 2, for progress()
 
 

@@ -108,3 +108,17 @@ def test_a_shard_whose_rows_are_all_skipped_finishes_without_an_engine(tmp_path,
     assert (summary["rows"], summary["tokenized_rows"], summary["engine_start_s"]) == (0, 1, 0)
     assert "vllm" not in (out / "eagle_extract.1-of-2.log").read_text().lower()  # no engine was started
     assert not (out / ".eagle_extract_rows").exists()
+
+
+def test_replicas_tell_their_parent_their_rows_through_one_small_file_each(tmp_path, monkeypatch):
+    """The --dp parent's progress reads one file per replica, whatever the number of rows (it listed every
+    row file once a second before); a missing or half-written file counts as none."""
+    from eagle_extract.runlog import PROGRESS_FILE, share_progress, shared_progress
+
+    files = [tmp_path / f".{k}-of-3.progress" for k in range(3)]
+    for k, rows in ((0, 1200), (1, 34)):
+        monkeypatch.setenv(PROGRESS_FILE, str(files[k]))
+        share_progress(rows)
+    files[2].with_suffix(".progress.tmp").write_text("9")  # a replica cut mid-write: its count is not yet whole
+    assert shared_progress(files) == 1234
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".0-of-3.progress", ".1-of-3.progress", ".2-of-3.progress.tmp"]
