@@ -218,6 +218,24 @@ def replace_complete(staged: Path, output: Path) -> dict:
 _KEPT = {REPLACEMENT, REPLACED, f"{REPLACED}.tmp", LOG}  # not part of either output
 
 
+ROW_NAME = re.compile(r"\.?hs_\d+\.safetensors(\.tmp)?")
+
+
+def refuse_foreign_rows(output: Path) -> None:
+    """--overwrite replaces hidden_states/ whole: a file in it that is not a row of ours is refused first,
+    never deleted with it."""
+    folder = Path(output) / HIDDEN_DIR
+    if not folder.is_dir():
+        return
+    with os.scandir(folder) as entries:
+        foreign = next((e.name for e in entries if not ROW_NAME.fullmatch(e.name)), None)
+    if foreign:
+        raise ExtractError(
+            f"--overwrite: {folder / foreign} is not eagle-extract's, and --overwrite replaces {folder} whole; "
+            "move it out of that folder first"
+        )
+
+
 def _clear(output: Path) -> None:
     """--overwrite of an unfinished run: its files go, nobody else's, and not the lock being held."""
     for entry in output.iterdir():

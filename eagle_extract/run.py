@@ -34,6 +34,8 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     when the output is complete, else this shard's summary (with "complete": False)."""
     plan = make_plan(cfg)
     output = Path(cfg.output)
+    if cfg.overwrite:
+        out.refuse_foreign_rows(output)
     if plan.shard is None and not cfg.overwrite and (output / shards.ROWS_DIR).is_dir():
         raise ExtractError(
             f"--output {output} holds the rows of an unfinished sharded run (--shard or --dp), named by source row; "

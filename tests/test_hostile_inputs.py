@@ -76,6 +76,10 @@ def _cases(tmp, model):
     (tmp / "bad-record" / "shards").mkdir(parents=True)
     (tmp / "bad-record" / "shards" / "1-of-2.json").write_text("")
     os.mkfifo(tmp / "fifo")
+    (tmp / "user-file" / "hidden_states").mkdir(parents=True)
+    (tmp / "user-file" / "eagle_extract.json").write_text("{}")
+    (tmp / "user-file" / "hidden_states" / "hs_0.safetensors").write_text("")
+    (tmp / "user-file" / "hidden_states" / "notes.txt").write_text("mine")
     long_row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "word " * 9000}]}
     for name in ("config.json", "model.safetensors"):
         (tmp / "no-tokenizer" / name).symlink_to(model / name)
@@ -173,6 +177,8 @@ def _cases(tmp, model):
         ("a run record that a power cut emptied", ["--output", str(tmp / "emptied")]),
         ("a shard's finished record emptied or edited", ["merge", str(tmp / "bad-record")]),
         ("a pipe or a device as data", ["--data", str(tmp / "fifo")]),
+        (f"{B}--overwrite{B} of an output with a file of someone else's in its hidden_states folder",
+         ["--output", str(tmp / "user-file"), "--overwrite"]),  # fmt: skip
         ("a layer id written with an underscore or in another script", ["--layers", "1_5"]),
         ("NaN where a number is expected", ["--temperature", "nan"]),
         (
@@ -256,6 +262,7 @@ def test_every_hostile_input_gets_the_one_line_docs_errors_md_gives(tmp_path, sm
     assert not failures, "\n".join(failures)
     assert not leaked, leaked
     assert not (tmp_path / "out").exists()  # nothing was created for any of them
+    assert (tmp_path / "user-file" / "hidden_states" / "notes.txt").read_text() == "mine"
     unmet = set(documented) - {case for case, _ in cases} - set(ELSEWHERE)
     assert not unmet, f"rows of docs/errors.md no test meets: {sorted(unmet)}"
     for case, test_file in ELSEWHERE.items():
