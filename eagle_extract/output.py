@@ -150,8 +150,22 @@ def identical_complete(output: Path, identity: dict, overwrite: bool) -> dict | 
         same, manifest = False, None
     if not same:
         raise ExtractError(f"--output {output} already holds a complete extraction; pass --overwrite to replace it")
+    missing = _first_missing_row(Path(output), manifest)
+    if missing is not None:
+        raise ExtractError(
+            f"--output {output} is complete but row {missing}'s file is gone; `eagle-extract verify --repair {output}` "
+            "writes the missing rows again"
+        )
     remove_leftovers(Path(output))  # a completion cut after its manifest left them
     return manifest
+
+
+def _first_missing_row(output: Path, manifest: dict) -> int | None:
+    """One stat per row: a complete output that lost a row file is not reported complete."""
+    if manifest.get("states") == "none" or not isinstance(manifest.get("num_samples"), int):
+        return None
+    legacy = manifest.get("format") == LEGACY
+    return next((i for i in range(manifest["num_samples"]) if not hidden_state_path(output, i, legacy).exists()), None)
 
 
 def already_complete(output: Path) -> str:

@@ -272,3 +272,19 @@ def test_an_unreadable_record_is_one_line_naming_it_and_losing_no_row(tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert "is unreadable (JSONDecodeError)" in lines[0] and fix in lines[0] and "--overwrite" not in lines[0]
+
+
+def test_a_complete_output_that_lost_a_row_file_is_not_reported_complete(tmp_path, smollm2_fp32_out, smollm2,
+                                                                       mixed_conversations):  # fmt: skip
+    from .conftest import BUDGET, run_cli
+
+    copy = tmp_path / "copy"
+    shutil.copytree(smollm2_fp32_out, copy)
+    (copy / "hidden_states" / "hs_3.safetensors").unlink()
+    proc = run_cli("--model", str(smollm2), "--data", str(mixed_conversations), "--output", str(copy), "--dtype",
+                   "float32", "--layers", "0,2,15,27,29", *BUDGET, check=False)  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"Error: --output {copy} is complete but row 3's file is gone; `eagle-extract verify --repair {copy}` "
+        "writes the missing rows again"
+    )
