@@ -1,6 +1,7 @@
 """Rows per second served to speculators' own online client against offline extraction of the same rows.
 
     python benchmarks/online.py --model PATH [--dummy] --rows 512 --prompt-len 1024 --spool /dev/shm --spool /tmp
+    (--model smollm2: the bundled SmolLM2; a --dummy model folder needs config.json and a tokenizer)
 
 For each spool folder: offline, `eagle-extract` writes the rows into that folder (`--reps` runs, the engine
 start not counted: the manifest's extract_s); online, one `eagle-extract serve` with its spool there, and
@@ -109,7 +110,12 @@ def main() -> None:
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    vocab = len(AutoTokenizer.from_pretrained(args.model))
+    if args.model == "smollm2":  # the bundled model, by the name the server then serves it under
+        from eagle_extract.smollm2 import ensure_smollm2
+
+        vocab = len(AutoTokenizer.from_pretrained(ensure_smollm2()))
+    else:
+        vocab = len(AutoTokenizer.from_pretrained(args.model))
     rows = _rows(args.rows, args.prompt_len, vocab)
     work = Path(tempfile.mkdtemp(prefix="online-bench."))
     data = work / "rows.jsonl"

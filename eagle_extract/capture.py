@@ -132,6 +132,7 @@ class StepCapture:
         self._steps: queue.Queue = queue.Queue()
         self._unsettled: list[int] = []  # rows announced since the last settle()
         self._redo: list[int] = []  # rows to run again alone (RequestMatcher never guesses), until drained
+        self._lost: list[int] = []  # rows the engine ran that no run matched, until drained
         self._thread = threading.Thread(target=self._assemble_loop, daemon=True)
         self._thread.start()
 
@@ -308,6 +309,7 @@ class StepCapture:
         with self.lock:
             lost, redo = self.matcher.settle(set(rows))
             self._add_redo(redo)
+            self._lost += lost
             self.stats.settled_rows += len(rows)
             self.stats.unmatched_rows += len(lost)
             if lost and self.stats.first_unmatched_row is None:
@@ -317,12 +319,13 @@ class StepCapture:
         self._redo += rows
         self.stats.redo_rows += len(rows)
 
-    def take_redo(self) -> list[int]:
-        """The rows to run again alone since the last call: an ambiguous run may have given them another
-        row's states, so none of theirs was written."""
+    def take_redo(self) -> tuple[list[int], list[int]]:
+        """(The rows to run again alone since the last call: an ambiguous run may have given them another
+        row's states, so none of theirs was written; the rows settled unmatched since then.)"""
         with self.lock:
             redo, self._redo = self._redo, []
-            return redo
+            lost, self._lost = self._lost, []
+            return redo, lost
 
     def expect(self, rows: list[tuple[int, list[int]]]) -> None:
         with self.lock:

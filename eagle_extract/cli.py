@@ -275,7 +275,7 @@ OPTION = {  # every option of the commands that run a model, declared once; each
     ),
     "spool_bytes": click.option(
         "--spool-bytes",
-        type=int,
+        type=float,
         default=None,
         help="Bytes of state files the spool may hold; a request waits for room while the trainer catches up. "
         "[default: half the spool filesystem's free space]",

@@ -127,48 +127,80 @@ class RequestMatcher:
                 found.append(s)
         return found
 
-    def _readings(self, tokens: list[int], start_pos: int, lo: int = 0) -> list[list[tuple[int, int, object]]]:
-        """Every way to read tokens[lo:] as pieces (lo, hi, partial prompt continued or None), each leading
-        towards a prompt the engine runs, each after the first continuing an open partial prompt as long as
-        the positions before it: vLLM lays a step's requests out by batch slot, so one request's chunk ending
-        at position e can be followed by another's continuing at e."""
-        pos, end = start_pos + lo, start_pos + len(tokens)
-        cuts = sorted({n - start_pos for s in self._open if pos < (n := len(s.tokens)) < end})
-        found = []
-        for start in self._starts(pos):
-            base = tuple(start.tokens) if start else ()
-            if _extended(self._running, base + tuple(tokens[lo:]), strictly=False):
-                found.append([(lo, len(tokens), start)])
-            for cut in cuts:
-                if _extended(self._running, base + tuple(tokens[lo:cut]), strictly=False):
-                    found += [[(lo, cut, start)] + rest for rest in self._readings(tokens, start_pos, cut)]
-        return found
+    def _read(self, tokens: list[int], start_pos: int):
+        """(one reading of the run, whether another gives some position other tokens before it), or (None,
+        False) when none fits.  A reading is a list of pieces (lo, hi, partial prompt continued or None), each
+        leading towards a prompt the engine runs, each after the first continuing an open partial prompt as
+        long as the positions before it: vLLM lays a step's requests out by batch slot, so one request's chunk
+        ending at position e can be followed by another's continuing at e.  The readings are not enumerated
+        (prompts that are each other's prefixes make exponentially many): the pieces that lie on some reading
+        are found by dynamic programming, and each is compared with the first reading."""
+        n, end = len(tokens), start_pos + len(tokens)
+        cuts = sorted({k - start_pos for s in self._open if start_pos < (k := len(s.tokens)) < end})
+        starts = {c: self._starts(start_pos + c) for c in [0, *cuts]}
+        ends: dict[tuple[int, int], list[int]] = {}  # (offset, id of the partial continued) -> where its piece may end
+
+        def piece_ends(c: int, start) -> list[int]:
+            key = (c, id(start))
+            if key not in ends:
+                base = tuple(start.tokens) if start else ()
+                found = [n] if _extended(self._running, base + tuple(tokens[c:]), strictly=False) else []
+                for d in (d for d in cuts if d > c):
+                    if _extended(self._running, base + tuple(tokens[c:d]), strictly=False) and any(
+                        piece_ends(d, nxt) for nxt in starts[d]
+                    ):
+                        found.append(d)
+                ends[key] = found
+            return ends[key]
+
+        first = next((s for s in starts[0] if piece_ends(0, s)), False)
+        if first is False:
+            return None, False
+        reading, c, start = [], 0, first
+        while True:  # the first reading: the longest piece first, the first partial prompt that goes on
+            d = piece_ends(c, start)[0]
+            reading.append((c, d, start))
+            if d == n:
+                break
+            c, start = d, next(s for s in starts[d] if piece_ends(d, s))
+        pieces, todo = set(), [(0, s) for s in starts[0] if piece_ends(0, s)]
+        while todo:  # every piece on some reading
+            c, start = todo.pop()
+            for d in piece_ends(c, start):
+                if (c, d, id(start)) not in pieces:
+                    pieces.add((c, d, id(start)))
+                    todo += [(d, nxt) for nxt in starts.get(d, ()) if piece_ends(d, nxt)]
+        partial = {id(s): s for c in starts for s in starts[c]}
+        others = [(c, d, partial[i]) for c, d, i in pieces if (c, d, partial[i]) not in reading]
+        ambiguous = any(not self._agrees(reading, tokens, c, d, start) for c, d, start in others)
+        return reading, ambiguous
 
     @staticmethod
-    def _history(reading, tokens: list[int], j: int) -> tuple[int, ...]:
-        """The tokens from position 0 up to and including offset j of the run, as `reading` has them."""
-        lo, _, start = next(piece for piece in reading if piece[0] <= j < piece[1])
-        return (tuple(start.tokens) if start else ()) + tuple(tokens[lo : j + 1])
-
-    def _equivalent(self, readings, tokens: list[int]) -> bool:
-        """Whether all readings give every position the same tokens before it (then the same states).  Checked
-        at the end of each stretch between cuts: within a stretch each reading extends one token list."""
-        ends = sorted({hi - 1 for reading in readings for _, hi, _ in reading})
-        first = readings[0]
-        return all(self._history(r, tokens, j) == self._history(first, tokens, j) for r in readings[1:] for j in ends)
+    def _agrees(reading, tokens: list[int], c: int, d: int, start) -> bool:
+        """Whether piece [c, d) continuing `start` gives every position the tokens before it that `reading`
+        gives: checked where each of the reading's pieces ends within it, and at its own end (within one
+        piece of each, a later position's tokens extend an earlier one's)."""
+        base = list(start.tokens) if start else []
+        for lo, hi, other in reading:
+            j = min(hi, d) - 1
+            if hi <= c or lo >= d:
+                continue
+            theirs = (list(other.tokens) if other else []) + tokens[lo : j + 1]
+            if base + tokens[c : j + 1] != theirs:
+                return False
+        return True
 
     def add(self, tokens: list[int], start_pos: int, chunk) -> tuple[list[tuple[_Request, list]], bool]:
         """Take one run; returns the rows it completes, each with its chunks, and whether it was used.
         Rows completed from a tainted partial prompt go to `redo` instead."""
-        readings = self._readings(tokens, start_pos)
-        if not readings:
+        reading, ambiguous = self._read(tokens, start_pos)
+        if reading is None:
             return [], False
-        if len(readings) > 1 and not self._equivalent(readings, tokens):
+        if ambiguous:
             self.ambiguous_runs += 1
             self._untrusted = True
             for s in self._open:
                 s.tainted = True
-        reading = readings[0]
         self.merged_runs += len(reading) > 1
         done = []
         for lo, hi, start in reading:

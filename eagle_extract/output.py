@@ -137,7 +137,7 @@ def claimed(output: Path, shard: tuple[int, int] | None):
         yield main_fd
 
 
-def identical_complete(output: Path, identity: dict, overwrite: bool) -> dict | None:
+def identical_complete(output: Path, identity: dict, overwrite: bool, states: str = "all") -> dict | None:
     """The manifest of a complete output this same run already wrote (a rerun has nothing to do), None
     when there is none or --overwrite asks to redo it; refused when the complete output is another run's."""
     path = Path(output) / MANIFEST
@@ -150,6 +150,11 @@ def identical_complete(output: Path, identity: dict, overwrite: bool) -> dict | 
         same, manifest = False, None
     if not same:
         raise ExtractError(f"--output {output} already holds a complete extraction; pass --overwrite to replace it")
+    if manifest.get("states") == "none" and states == "all":
+        raise ExtractError(
+            f"--output {output} is complete without hidden states (--states none); pass --overwrite to extract every "
+            "row's states into it"
+        )
     missing = _first_missing_row(Path(output), manifest)
     if missing is not None:
         raise ExtractError(

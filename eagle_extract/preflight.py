@@ -107,7 +107,7 @@ def check_options(cfg: ExtractConfig) -> None:
         if getattr(cfg, name) not in choices:
             raise ExtractError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: choose one of {', '.join(choices)}")
     at_least_one = ("dp", "writer_threads", "batch_size", "regenerate_batch_size", "max_samples")
-    for name in (*at_least_one, "max_num_batched_tokens", "max_new_tokens", "seq_length"):
+    for name in (*at_least_one, "max_num_batched_tokens", "max_new_tokens"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ExtractError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
     if cfg.tokenize_processes is not None and cfg.tokenize_processes < 0:

@@ -81,7 +81,7 @@ def run_replicas(cfg: ExtractConfig, log=print) -> dict:
     output = Path(cfg.output)
     slices = device_slices(dp, cfg.tp, cfg.pp)
     with claimed(output, None) as lock_fd:  # the replicas hold their shards' locks under this one
-        manifest = identical_complete(output, plan.identity, cfg.overwrite)
+        manifest = identical_complete(output, plan.identity, cfg.overwrite, cfg.states)
         if manifest:
             log(already_complete(output))
             return manifest

@@ -54,7 +54,7 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         done = set() if cfg.overwrite else completed_rows(shards.rows_folder(output, plan.shard), cfg.legacy)
         sized = _sized(plan, first, done, kept)
     with out.claimed(output, plan.shard):
-        manifest = out.identical_complete(output, plan.identity, cfg.overwrite)
+        manifest = out.identical_complete(output, plan.identity, cfg.overwrite, cfg.states)
         if manifest:
             log(out.already_complete(output))
             return manifest
@@ -166,6 +166,7 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
             for batch in itertools.chain([first_batch], batches):
                 handed += len(batch)
                 tokens += sum(len(ids) for _, ids, _ in batch)
+            share_progress(tally["kept"] + handed)
         elif first_batch is not None:
             with engine_errors(run_log.path):
                 if llm is None:
@@ -307,6 +308,7 @@ def drain_workers(llm, wait: bool) -> dict:
     return {
         "written_by": [r["written"] for r in reports],
         "redo": sorted({i for r in reports for i in r["redo"]}),  # every pipeline stage reads the same steps
+        "lost": sorted({i for r in reports for i in r["lost"]}),
         "stats": reports[0]["stats"] if reports else {},
         # every pipeline stage settles every row: the stage that lost most tells
         "matching": [max((r["stats"].get(k, 0) for r in reports), default=0) for k in MATCH_COUNTS],
@@ -441,6 +443,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
                     f"row {min(alone.intersection(rows))} was ambiguous even alone; report this as a bug"
                 )
             alone.update(rows)
+            record(got)  # the rows this drain reports written are settled before the loop drains again
             note(f"running {len(rows)} rows again, one at a time: a step's runs could have been more than one row's")
             for i in rows:
                 ids, mask = pending[i]
@@ -453,6 +456,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
         _check_matching(history, got["first_unmatched"])
         bar.total = tally["kept"] + handed  # known now that the stream ended
         bar.update(tally["kept"] + written - bar.n)
+        share_progress(tally["kept"] + written)
     extract_s = time.perf_counter() - t1
     llm.collective_rpc("eagle_remove")
     where = {

@@ -56,7 +56,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     spool: Path | None = None  # None: a fresh folder under the system's temporary folder
-    spool_bytes: int | None = None  # None: SPOOL_SHARE of the spool filesystem's free space
+    spool_bytes: float | None = None  # None: SPOOL_SHARE of the spool filesystem's free space
     spool_ttl: float = 600.0  # seconds a written file waits for its reader before it is removed
     api_key: str | None = None
     served_model_name: str | None = None  # None: --model as given, as `vllm serve` names it
@@ -69,7 +69,7 @@ def check_serve_options(cfg: ExtractConfig, opts: ServeOptions) -> None:
         raise ExtractError("--format speculators-legacy: the server writes speculators' online layout only")
     if not 0 < opts.port < 65536:
         raise ExtractError(f"--port {opts.port}: give a TCP port from 1 to 65535")
-    if opts.spool_bytes is not None and opts.spool_bytes < 1:
+    if opts.spool_bytes is not None and not 1 <= opts.spool_bytes < float("inf"):
         raise ExtractError(f"--spool-bytes {opts.spool_bytes}: give the bytes the spool may hold, at least 1")
     if not 0 < opts.spool_ttl < float("inf"):
         raise ExtractError(f"--spool-ttl {opts.spool_ttl}: give the seconds a file waits for its reader")
@@ -194,9 +194,6 @@ class EngineLoop(threading.Thread):
                     except queue.Empty:
                         break
                 self.watch.beat()
-                for job in batch:
-                    job.index = next(self._numbers)
-                    inflight[job.index] = job
                 self._generate(batch, inflight, wait=self.jobs.empty())
                 if self.jobs.empty():
                     self.watch.pause()  # idle: no time limit until the next request
@@ -204,8 +201,7 @@ class EngineLoop(threading.Thread):
             self.failed = str(exc) if isinstance(exc, ExtractError) else f"{type(exc).__name__}: {exc}"
             self.note(f"engine loop failed: {self.failed}")
             for job in [*inflight.values(), *self._queued()]:
-                if not job.future.done():
-                    job.future.set_exception(BadRequest(f"the engine failed: {self.failed}", status=503))
+                self._fail(job, BadRequest(f"the engine failed: {self.failed}", status=503))
 
     def _queued(self) -> list[_Job]:
         import queue
@@ -217,32 +213,50 @@ class EngineLoop(threading.Thread):
             except queue.Empty:
                 return jobs
 
-    def _generate(self, batch: list[_Job], inflight: dict[int, _Job], wait: bool) -> None:
-        """One engine call; with `wait`, every row in flight is settled after it: written, or failed."""
+    def _call(self, jobs: list[_Job], inflight: dict[int, _Job]) -> None:
+        """One engine call for `jobs`, each under a fresh row number (a row run again gets a new one)."""
         from vllm import SamplingParams, TokensPrompt
 
-        self.llm.collective_rpc("eagle_expect", args=([(job.index, job.ids) for job in batch], None))
+        for job in jobs:
+            job.index = next(self._numbers)
+            inflight[job.index] = job
+        self.llm.collective_rpc("eagle_expect", args=([(job.index, job.ids) for job in jobs], None))
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        self.llm.generate([TokensPrompt(prompt_token_ids=job.ids) for job in batch], params, use_tqdm=False)
+        try:
+            self.llm.generate([TokensPrompt(prompt_token_ids=job.ids) for job in jobs], params, use_tqdm=False)
+        except ValueError as exc:  # vLLM's own check refused a prompt: these requests fail, the server goes on
+            said = (str(exc).splitlines() or [""])[0][:300]
+            for job in jobs:
+                self._fail(inflight.pop(job.index), BadRequest(f"vLLM refused the prompt: {said}"))
         self.watch.beat()
-        got = drain_workers(self.llm, wait=wait)
-        self._settle(got["written_by"], inflight)
-        redo = [inflight[i] for i in got["redo"] if i in inflight]
-        for job in redo:  # a run more than one row could own: that row alone, where nothing is ambiguous
-            self.redone += 1
-            self._generate([job], inflight, wait=False)
-        if redo:
-            got = drain_workers(self.llm, wait=True)
-            self._settle(got["written_by"], inflight)
-            wait = True
-        if wait:
-            for index in list(inflight):
-                job = inflight.pop(index)
-                self.spool.release(job.nbytes)
-                job.future.set_exception(BadRequest("no states were captured for this prompt", status=500))
 
-    def _settle(self, written_by: list[list[int]], inflight: dict[int, _Job]) -> None:
-        for index in (i for rows in written_by for i in rows):
+    def _generate(self, batch: list[_Job], inflight: dict[int, _Job], wait: bool) -> None:
+        """One engine call; with `wait`, every row in flight is settled after it: answered or failed.  A row
+        the matcher could not bind for sure runs again alone, once the call that confused it is settled."""
+        self._call(batch, inflight)
+        redo = self._settle(drain_workers(self.llm, wait=wait), inflight)
+        if redo and not wait:
+            redo += self._settle(drain_workers(self.llm, wait=True), inflight)
+            wait = True
+        for _ in range(2):  # alone, a row cannot be ambiguous; twice is a bug, reported to its client
+            if not redo:
+                break
+            later: list[_Job] = []
+            for job in redo:
+                self.redone += 1
+                self._call([job], inflight)
+                self._settle(drain_workers(self.llm, wait=False), inflight, later)  # its own settle marker
+            redo = self._settle(drain_workers(self.llm, wait=True), inflight, later)
+        for job in redo:
+            self._fail(job, BadRequest("the prompt's states could not be told apart from another's", status=500))
+        if wait:  # every row is settled now: one still in flight got no states
+            for index in list(inflight):
+                self._fail(inflight.pop(index), BadRequest("no states were captured for this prompt", status=500))
+
+    def _settle(self, got: dict, inflight: dict[int, _Job], redo: list | None = None) -> list[_Job]:
+        """Answer the rows written, fail the rows lost; returns the jobs to run again (taken out of flight),
+        or adds them to `redo` when given."""
+        for index in (i for rows in got["written_by"] for i in rows):
             job = inflight.pop(index, None)
             if job is None:
                 continue
@@ -250,7 +264,23 @@ class EngineLoop(threading.Thread):
             self.spool.written(path, job.nbytes)
             self.rows += 1
             self.tokens += len(job.ids)
-            job.future.set_result(str(path))
+            if job.future.done():  # its client went away (a cancelled request): nobody will read it
+                path.unlink(missing_ok=True)
+            else:
+                job.future.set_result(str(path))
+        for index in got["lost"]:
+            if index in inflight:
+                self._fail(inflight.pop(index), BadRequest("no states were captured for this prompt", status=500))
+        again = [inflight.pop(i) for i in got["redo"] if i in inflight]
+        if redo is None:
+            return again
+        redo += again
+        return redo
+
+    def _fail(self, job: _Job, error: BadRequest) -> None:
+        self.spool.release(job.nbytes)
+        if not job.future.done():
+            job.future.set_exception(error)
 
 
 def _error(status: int, message: str, param: str | None = None):
@@ -262,9 +292,19 @@ def _error(status: int, message: str, param: str | None = None):
 class Requests:
     """Checks a request body and turns it into prompt token ids, as the engine will be given them."""
 
-    def __init__(self, name: str, tokenizer, seq_length: int, bytes_per_token: int) -> None:
-        self.name, self.tokenizer, self.seq_length = name, tokenizer, seq_length
+    def __init__(self, name: str, tokenizer, longest: int, bytes_per_token: int) -> None:
+        self.name, self.tokenizer, self.longest = name, tokenizer, longest
         self.vocab, self.bytes_per_token = len(tokenizer), bytes_per_token
+
+    def tokens(self, body: dict, chat: bool) -> list[int]:
+        """The prompt's token ids; what the tokenizer or the chat template refuses is the request's fault."""
+        try:
+            return self.messages(body) if chat else self.prompt(body)
+        except BadRequest:
+            raise
+        except (TypeError, ValueError, UnicodeError, RecursionError) as exc:
+            said = (str(exc).splitlines() or [""])[0][:200]
+            raise BadRequest(f"the tokenizer cannot encode the prompt ({type(exc).__name__}: {said})") from None
 
     def model(self, body: dict) -> None:
         model = body.get("model")
@@ -316,9 +356,11 @@ class Requests:
         bad = next((t for t in ids if not 0 <= t < self.vocab), None)
         if bad is not None:
             raise BadRequest(f"{param}: token id {bad} is outside the vocabulary of {self.vocab}", param=param)
-        if len(ids) > self.seq_length:
+        if len(ids) > self.longest:
             raise BadRequest(
-                f"{param}: {len(ids)} tokens, longer than this server's --seq-length {self.seq_length}", param=param
+                f"{param}: {len(ids)} tokens, longer than the {self.longest} this server takes (--seq-length, and "
+                "the model's context less one)",
+                param=param,
             )
         return ids
 
@@ -350,8 +392,8 @@ def make_app(loop: EngineLoop, spool: Spool, requests: Requests, api_key: str | 
     async def body_of(request: Request) -> dict:
         try:
             body = await request.json()
-        except ValueError:
-            raise BadRequest("the request body is not valid JSON") from None
+        except (ValueError, RecursionError):
+            raise BadRequest("the request body is not valid JSON (or nests too deeply)") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body is not a JSON object")
         requests.model(body)
@@ -381,7 +423,7 @@ def make_app(loop: EngineLoop, spool: Spool, requests: Requests, api_key: str | 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await body_of(request)
-        ids = requests.prompt(body)
+        ids = await asyncio.to_thread(requests.tokens, body, False)
         path = await states(ids)
         choice = {"index": 0, "text": "", "finish_reason": "length", "logprobs": None, "prompt_token_ids": ids}
         return {"id": f"cmpl-{Path(path).stem}", **answer("text_completion", ids, path), "choices": [choice]}
@@ -389,7 +431,7 @@ def make_app(loop: EngineLoop, spool: Spool, requests: Requests, api_key: str | 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await body_of(request)
-        ids = requests.messages(body)
+        ids = await asyncio.to_thread(requests.tokens, body, True)
         path = await states(ids)
         message = {"role": "assistant", "content": ""}
         choice = {"index": 0, "message": message, "finish_reason": "length", "logprobs": None}
@@ -419,13 +461,14 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
         folder = Path(tempfile.mkdtemp(prefix="eagle-extract-serve.", dir=root)).resolve()
     except OSError as exc:
         raise ExtractError(f"--spool {root}: cannot make a folder there ({exc.strerror}); pass a writable --spool")
-    limit = opts.spool_bytes or int(shutil.disk_usage(folder).free * SPOOL_SHARE)
+    limit = int(opts.spool_bytes or shutil.disk_usage(folder).free * SPOOL_SHARE)
     spool = Spool(folder, limit, opts.spool_ttl)
     dtype = shape.dtype if cfg.dtype == "auto" else cfg.dtype
     width = 1 if cfg.fp8 else (4 if dtype in ("float32", "float") else 2)
     per_token = (len(aux_ids) + 1) * shape.hidden_size * width + 8 + (4 if cfg.fp8 else 0)
     name = opts.served_model_name or cfg.model
-    requests = Requests(name, tokenizer, cfg.seq_length, per_token)
+    max_model_len = min(cfg.seq_length + 1, shape.context or cfg.seq_length + 1)
+    requests = Requests(name, tokenizer, max_model_len - 1, per_token)  # vLLM refuses a prompt of max_model_len
     log_path = folder / "eagle_extract.log"
     watch = EngineWatch(cfg.stall_timeout or None, log_path)
     watch.advice = "the server stopped; its spool's files were removed"
@@ -439,7 +482,7 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
         from .engine import start_engine
 
         watch.expect_engine()
-        llm = start_engine(cfg, min(cfg.seq_length + 1, shape.context or cfg.seq_length + 1))
+        llm = start_engine(cfg, max_model_len)
         host_memory = int(cfg.host_memory * 2**30) if cfg.host_memory else default_budget()
         llm.collective_rpc("eagle_heartbeat", args=(str(watch.heartbeat), 2.0))
         watch.start()
@@ -450,13 +493,18 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
             raise ExtractError("no worker installed the capture; report this as a bug with the run's log")
         loop = EngineLoop(llm, spool, cfg.batch_size, watch, run_log.note)
         loop.start()
+        http = _Server(make_app(loop, spool, requests, opts.api_key, requests.longest), opts)
+        # from here to the end of the cleanup, SIGTERM and Ctrl-C stop the server instead of raising
+        saved = {sig: signal.signal(sig, http.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            status = _serve_http(loop, spool, requests, opts, cfg.seq_length, run_log)
+            status = _serve_http(loop, spool, http, run_log, f"http://{opts.host}:{opts.port}/v1 (model {name})")
         finally:
             loop.stopping.set()
             loop.join(timeout=25)
             spool.clear()
             watch.reap()
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
         run_log.say(
             f"stopped: {loop.rows} rows served ({loop.tokens:,} tokens, {loop.redone} run again alone, "
             f"{spool.expired} files never collected and removed); the spool's files are removed; log: {log_path}"
@@ -484,6 +532,7 @@ class _Server:
                 yield
 
         self.server = Quiet(config)
+        self.app = app
 
     def stop(self, signum=None, frame=None) -> None:
         if self.server.should_exit and signum == signal.SIGINT:
@@ -495,9 +544,7 @@ GRACE_S = 20  # seconds the requests in flight get at shutdown; then their files
 COLLECT_S = 5
 
 
-def _serve_http(loop: EngineLoop, spool: Spool, requests: Requests, opts: ServeOptions, seq_length: int, run_log):
-    app = make_app(loop, spool, requests, opts.api_key, seq_length)
-    http = _Server(app, opts)
+def _serve_http(loop: EngineLoop, spool: Spool, http: _Server, run_log, where: str) -> int:
     server = http.server
 
     def janitor() -> None:
@@ -506,25 +553,20 @@ def _serve_http(loop: EngineLoop, spool: Spool, requests: Requests, opts: ServeO
             if loop.failed:
                 server.should_exit = True
             time.sleep(0.5)
-        app.state.give_up.set()  # requests waiting for room go now: they are in flight
+        http.app.state.give_up.set()  # requests waiting for room go now: they are in flight
 
     async def main() -> None:
         task = asyncio.create_task(server.serve())
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            run_log.say(f"serving http://{opts.host}:{opts.port}/v1 (model {requests.name})")
+            run_log.say(f"serving {where}")
         await task
 
-    saved = {sig: signal.signal(sig, http.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        threading.Thread(target=janitor, daemon=True, name="eagle-serve-spool").start()
-        asyncio.run(main())
-        run_log.say("stopping: the requests in flight are answered")
-        deadline = time.monotonic() + COLLECT_S
-        while spool.waiting() and time.monotonic() < deadline and not loop.failed:
-            time.sleep(0.1)  # the last answers' files, for their readers
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    threading.Thread(target=janitor, daemon=True, name="eagle-serve-spool").start()
+    asyncio.run(main())
+    run_log.say("stopping: the requests in flight are answered")
+    deadline = time.monotonic() + COLLECT_S
+    while spool.waiting() and time.monotonic() < deadline and not loop.failed:
+        time.sleep(0.1)  # the last answers' files, for their readers
     return 1 if loop.failed else 0

@@ -75,10 +75,11 @@ def _rerun_shard(k: int, num_shards: int) -> str:
 def any_summary(output: Path) -> dict | None:
     folder = Path(output) / SHARDS_DIR
     paths = sorted(folder.glob("*-of-*.json")) if folder.is_dir() else []
-    if not paths:
+    named = [(p, m) for p in paths if (m := re.fullmatch(r"(\d+)-of-(\d+)", p.stem))]
+    if not named:
         return None
-    k, num = map(int, paths[0].stem.split("-of-"))
-    return read_record(paths[0], _rerun_shard(k, num))
+    path, m = named[0]
+    return read_record(path, _rerun_shard(int(m.group(1)), int(m.group(2))))
 
 
 def claim_completion(output: Path) -> bool:

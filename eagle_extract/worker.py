@@ -117,7 +117,8 @@ class HiddenStateExtension:
         )
         report = writer.drain(wait)
         report["errors"] = captured["errors"] + report["errors"]
-        return {**captured, **report, "redo": capture.take_redo()}
+        redo, lost = capture.take_redo()
+        return {**captured, **report, "redo": redo, "lost": lost}
 
     def eagle_remove(self) -> None:
         if getattr(self, "_eagle", None):
