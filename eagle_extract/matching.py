@@ -153,23 +153,26 @@ class RequestMatcher:
                 ends[key] = found
             return ends[key]
 
-        first = next((s for s in starts[0] if piece_ends(0, s)), False)
-        if first is False:
-            return None, False
-        reading, c, start = [], 0, first
-        while True:  # the first reading: the longest piece first, the first partial prompt that goes on
-            d = piece_ends(c, start)[0]
-            reading.append((c, d, start))
-            if d == n:
-                break
-            c, start = d, next(s for s in starts[d] if piece_ends(d, s))
-        pieces, todo = set(), [(0, s) for s in starts[0] if piece_ends(0, s)]
-        while todo:  # every piece on some reading
-            c, start = todo.pop()
-            for d in piece_ends(c, start):
-                if (c, d, id(start)) not in pieces:
-                    pieces.add((c, d, id(start)))
-                    todo += [(d, nxt) for nxt in starts.get(d, ()) if piece_ends(d, nxt)]
+        try:
+            first = next((s for s in starts[0] if piece_ends(0, s)), False)
+            if first is False:
+                return None, False
+            reading, c, start = [], 0, first
+            while True:  # the first reading: the longest piece first, the first partial prompt that goes on
+                d = piece_ends(c, start)[0]
+                reading.append((c, d, start))
+                if d == n:
+                    break
+                c, start = d, next(s for s in starts[d] if piece_ends(d, s))
+            pieces, todo = set(), [(0, s) for s in starts[0] if piece_ends(0, s)]
+            while todo:  # every piece on some reading
+                c, start = todo.pop()
+                for d in piece_ends(c, start):
+                    if (c, d, id(start)) not in pieces:
+                        pieces.add((c, d, id(start)))
+                        todo += [(d, nxt) for nxt in starts.get(d, ()) if piece_ends(d, nxt)]
+        finally:  # the recursive closure refers to itself: empty its cell, or the partial prompts (and their
+            del piece_ends  # states' host memory) would wait for the garbage collector
         partial = {id(s): s for c in starts for s in starts[c]}
         others = [(c, d, partial[i]) for c, d, i in pieces if (c, d, partial[i]) not in reading]
         ambiguous = any(not self._agrees(reading, tokens, c, d, start) for c, d, start in others)
