@@ -63,8 +63,6 @@ class ServeOptions:
 
 
 def check_serve_options(cfg: ExtractConfig, opts: ServeOptions) -> None:
-    if cfg.pp != 1:
-        raise ExtractError("--pp: eagle-extract serve runs one pipeline stage; use --tp, or extract offline with --pp")
     if cfg.legacy:
         raise ExtractError("--format speculators-legacy: the server writes speculators' online layout only")
     if not 0 < opts.port < 65536:

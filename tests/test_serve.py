@@ -305,7 +305,6 @@ def test_bad_server_options_get_one_line_before_the_engine(smollm2):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         cases = {
-            "pipeline stages": ["--pp", "2"],
             "a port out of range": ["--port", "0"],
             "a port another process listens on": ["--port", str(taken.getsockname()[1])],
             "a spool bound below 1": ["--spool-bytes", "0"],
