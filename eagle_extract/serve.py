@@ -68,7 +68,7 @@ def check_serve_options(cfg: ExtractConfig, opts: ServeOptions) -> None:
     if not 0 < opts.port < 65536:
         raise ExtractError(f"--port {opts.port}: give a TCP port from 1 to 65535")
     if opts.spool_bytes is not None and not 1 <= opts.spool_bytes < float("inf"):
-        raise ExtractError(f"--spool-bytes {opts.spool_bytes}: give the bytes the spool may hold, at least 1")
+        raise ExtractError(f"--spool-bytes {opts.spool_bytes:g}: give the bytes the spool may hold, at least 1")
     if not 0 < opts.spool_ttl < float("inf"):
         raise ExtractError(f"--spool-ttl {opts.spool_ttl}: give the seconds a file waits for its reader")
     if opts.api_key is not None and not opts.api_key.strip():
