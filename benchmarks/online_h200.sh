@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# benchmarks/online.py on one H200, inside scripts/gpu_run.sh (vLLM 0.26.0's lock; uvicorn, which the lock
+# lacks, from .whl/): the bundled SmolLM2, or the Llama-3.1-8B shape with dummy weights and SmolLM2's
+# tokenizer; spools on tmpfs (/dev/shm) and on the machine's disk (the repository's folder).
+#   LOCK=gpu/requirements-gpu-vllm-0.26.0.lock bash scripts/gpu_run.sh /tmp/pieces bash benchmarks/online_h200.sh smollm2|llama8b OUT
+set -euo pipefail
+which=${1:?smollm2 or llama8b}
+out=${2:?folder for the JSON}
+python3 -m pip install -q --no-index --no-deps --target /tmp/site-extra .whl/uvicorn-*.whl
+export PYTHONPATH=$PYTHONPATH:/tmp/site-extra
+disk=$PWD/spool-disk
+mkdir -p /dev/shm/spool "$disk"
+if [ "$which" = llama8b ]; then
+  model=/tmp/llama-3.1-8b
+  mkdir -p $model && cp benchmarks/configs/llama-3.1-8b/config.json $model/
+  python3 -c "import shutil, pathlib, sys; from eagle_extract.smollm2 import ensure_smollm2
+src = ensure_smollm2()
+[shutil.copy(f, sys.argv[1]) for f in pathlib.Path(src).iterdir() if f.name.startswith('tokenizer') or f.suffix == '.jinja']" $model
+  args=(--model $model --dummy --rows 256 --prompt-len 1024 --reps 2)
+else
+  args=(--model smollm2 --rows 512 --prompt-len 1024 --reps 3)
+fi
+python3 benchmarks/online.py "${args[@]}" --dtype bfloat16 --threads 12 --spool /dev/shm/spool --spool "$disk" \
+  --json "$out/online-$which.json" 2>&1 | grep -v -i warning | tail -20
