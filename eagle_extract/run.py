@@ -397,7 +397,9 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
     params = SamplingParams(max_tokens=1, temperature=0.0)
     written, handed, pending, redo = 0, 0, {}, []  # pending: row -> (ids, mask) until its file is written
 
-    def run_batch(batch: list) -> dict:
+    def run_batch(llm, batch: list) -> dict:
+        """One engine call.  `llm` is passed, not closed over: a closure's cell kept the engine alive past
+        RunLog's clearing of a failed run's frames, and vLLM then stopped it after our last line."""
         if masks is not None:
             masks.update((i, mask) for i, _, mask in batch)
         batch_masks = [(i, mask) for i, _, mask in batch] if cfg.legacy else None
@@ -416,7 +418,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
         for batch in batches:
             pending.update((i, (ids, mask)) for i, ids, mask in batch)
             handed += len(batch)
-            got = run_batch(batch)
+            got = run_batch(llm, batch)
             watch.beat()
             done_tokens += sum(len(ids) for _, ids, _ in batch)
             rate = f"{done_tokens / (time.perf_counter() - t1):,.0f}"
@@ -447,7 +449,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
             note(f"running {len(rows)} rows again, one at a time: a step's runs could have been more than one row's")
             for i in rows:
                 ids, mask = pending[i]
-                run_batch([(i, ids, mask)])
+                run_batch(llm, [(i, ids, mask)])
                 watch.beat()
             got = drain_workers(llm, wait=True)
             redo.extend(got["redo"])

@@ -21,7 +21,7 @@ from eagle_extract import verify
 from eagle_extract.lock import MAIN
 from eagle_extract.output import LOG, REPLACEMENT, RUN_FILE
 from eagle_extract.store import STORE
-from eagle_extract.writer import hidden_state_path, read_manifest
+from eagle_extract.writer import LAYER_IDS, hidden_state_path, read_manifest, read_row, row_metadata
 
 from .common import assert_documented, load_row, rel_err
 from .conftest import BUDGET, run_cli
@@ -60,9 +60,10 @@ def _damage(out):
     save_file(
         {"hidden_states": row2["hidden_states"], "token_ids": row2["token_ids"] + 1}, str(hidden_state_path(out, 2))
     )
-    row3 = load_row(out, 3)
-    row3["hidden_states"][0, 0, 0] = float("nan")
-    save_file(row3, str(hidden_state_path(out, 3)))
+    row3, meta = read_row(hidden_state_path(out, 3))
+    row3["hidden_states"][0, 0, 0] = float("nan")  # as an engine that made NaN wrote it: its checksum holds
+    layer_ids = [int(i) for i in meta[LAYER_IDS].split(",")]
+    save_file(row3, str(hidden_state_path(out, 3)), metadata=row_metadata(row3, layer_ids))
     shutil.copy(hidden_state_path(out, 4), hidden_state_path(out, 999))
     return {0: "unreadable", 1: "missing", 2: "token_ids differ", 3: "NaN", 999: "stray"}
 
