@@ -5,8 +5,9 @@
 
 For each spool folder: offline, `eagle-extract` writes the rows into that folder (`--reps` runs, the engine
 start not counted: the manifest's extract_s); online, one `eagle-extract serve` with its spool there, and
-`--threads` threads (speculators' loader runs 12 workers a rank) pulling every row through speculators'
-ArrowDataset and hs-connectors' FileTransfer (request, answer, load, check, delete), `--reps` passes.  Rows
+`--clients` processes (speculators' loader runs 12 worker processes a rank, each with its own client)
+pulling every row through speculators' ArrowDataset and hs-connectors' FileTransfer (request, answer, load,
+check, delete), `--reps` passes.  Rows
 are random token ids of --prompt-len (a fixed seed), the same for both.  Prints a table; --json saves it.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import socket
@@ -23,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 
@@ -76,21 +78,37 @@ class Serving:
         self.proc.wait(timeout=60)
 
 
-def online(args, datapath: Path, server: Serving, rows: int) -> float:
-    """Rows per second of one pass of speculators' client over every row."""
+_DATASET = None  # each client process's own ArrowDataset, as each of speculators' data-loader workers has
+
+
+def _client(datapath: str, port: int, model: str, max_len: int) -> None:
+    global _DATASET
     from hs_connectors import FileTransfer
     from speculators.train.data import ArrowDataset
 
-    ds = ArrowDataset(max_len=args.prompt_len + 1, datapath=str(datapath), transfer=FileTransfer(datapath / "hs"),
-                      vllm_endpoint=f"http://127.0.0.1:{server.port}/v1", model=args.model, on_missing="generate",
-                      train_ratio=1.0, split="train", request_timeout=600, max_retries=1)  # fmt: skip
+    _DATASET = ArrowDataset(max_len=max_len, datapath=datapath, transfer=FileTransfer(Path(datapath) / "hs"),
+                            vllm_endpoint=f"http://127.0.0.1:{port}/v1", model=model, on_missing="generate",
+                            train_ratio=1.0, split="train", request_timeout=600, max_retries=1)  # fmt: skip
+
+
+def _fetch(index: int) -> str | None:
+    """One row through speculators' client (request, answer, load, check, delete); None when it came."""
+    item = _DATASET[index]
+    return None if isinstance(item, dict) else str(item)
+
+
+def _ready(_) -> bool:
+    time.sleep(0.5)  # long enough that every process of the pool takes one
+    return _DATASET is not None
+
+
+def online(pool, rows: int) -> float:
+    """Rows per second of one pass of the client processes over every row."""
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(args.threads) as pool:
-        items = list(pool.map(ds.__getitem__, range(rows)))
+    failed = [why for why in pool.map(_fetch, range(rows)) if why]
     seconds = time.perf_counter() - t0
-    failed = [i for i, item in enumerate(items) if not isinstance(item, dict)]
     if failed:
-        raise SystemExit(f"{len(failed)} rows failed, first {failed[0]}: {items[failed[0]]}")
+        raise SystemExit(f"{len(failed)} rows failed, first: {failed[0]}")
     return rows / seconds
 
 
@@ -102,7 +120,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=12)
+    ap.add_argument("--clients", type=int, default=12, help="client processes (speculators' --num-workers)")
     ap.add_argument("--spool", action="append", required=True, help="folder for both modes' files (repeatable)")
     ap.add_argument("--extra", nargs="*", default=[], help="further eagle-extract options for both modes")
     ap.add_argument("--json", default=None)
@@ -131,7 +149,11 @@ def main() -> None:
         off = [offline(args, data, spool) for _ in range(args.reps)]
         server = Serving(args, spool)
         try:
-            on = [online(args, datapath, server, args.rows) for _ in range(args.reps)]
+            init = (str(datapath), server.port, args.model, args.prompt_len + 1)
+            with ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_client, initargs=init) as pool:  # fmt: skip
+                assert all(pool.map(_ready, range(2 * args.clients)))  # every client started, before the clock
+                on = [online(pool, args.rows) for _ in range(args.reps)]
         finally:
             server.stop()
         row = {"spool": str(spool), "offline_rows_s": off, "online_rows_s": on,
@@ -139,7 +161,7 @@ def main() -> None:
         results.append(row)
         print(f"{spool}: offline {statistics.median(off):.1f} rows/s {off}, online {statistics.median(on):.1f} "
               f"rows/s {on}, online/offline {row['ratio']:.3f}", flush=True)  # fmt: skip
-    print(f"{args.model}, {args.rows} rows x {args.prompt_len} tokens, {args.threads} client threads")
+    print(f"{args.model}, {args.rows} rows x {args.prompt_len} tokens, {args.clients} client processes")
     print("| spool | offline rows/s | online rows/s | online/offline |")
     for r in results:
         off, on = statistics.median(r["offline_rows_s"]), statistics.median(r["online_rows_s"])

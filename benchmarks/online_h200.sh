@@ -20,5 +20,5 @@ src = ensure_smollm2()
 else
   args=(--model smollm2 --rows 512 --prompt-len 1024 --reps 3)
 fi
-python3 benchmarks/online.py "${args[@]}" --dtype bfloat16 --threads 12 --spool /dev/shm/spool --spool "$disk" \
+python3 benchmarks/online.py "${args[@]}" --dtype bfloat16 --clients 12 --spool /dev/shm/spool --spool "$disk" \
   --json "$out/online-$which.json" 2>&1 | grep -v -i warning | tail -20
