@@ -73,9 +73,12 @@ class Serving:
                 raise SystemExit("".join(self.lines))
             time.sleep(0.5)
 
-    def stop(self) -> None:
+    def stop(self) -> str:
+        """Stop it; returns its last line (rows, engine calls, time in them and in the workers' drains)."""
         self.proc.terminate()
         self.proc.wait(timeout=60)
+        time.sleep(0.5)
+        return next((line.strip() for line in reversed(self.lines) if line.startswith("stopped: ")), "")
 
 
 _DATASET = None  # each client process's own ArrowDataset, as each of speculators' data-loader workers has
@@ -155,8 +158,9 @@ def main() -> None:
                 assert all(pool.map(_ready, range(2 * args.clients)))  # every client started, before the clock
                 on = [online(pool, args.rows) for _ in range(args.reps)]
         finally:
-            server.stop()
-        row = {"spool": str(spool), "offline_rows_s": off, "online_rows_s": on,
+            said = server.stop()
+        print(f"server: {said}", flush=True)
+        row = {"spool": str(spool), "offline_rows_s": off, "online_rows_s": on, "server": said,
                "ratio": statistics.median(on) / statistics.median(off)}  # fmt: skip
         results.append(row)
         print(f"{spool}: offline {statistics.median(off):.1f} rows/s {off}, online {statistics.median(on):.1f} "

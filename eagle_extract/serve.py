@@ -167,6 +167,7 @@ class EngineLoop(threading.Thread):
         self.failed: str | None = None
         self._numbers = itertools.count()
         self.rows = self.tokens = self.redone = 0
+        self.calls, self.call_s, self.drain_s = 0, 0.0, 0.0  # engine calls, and seconds in them and in drains
 
     def submit(self, ids: list[int], nbytes: int) -> Future:
         if self.failed:
@@ -220,21 +221,36 @@ class EngineLoop(threading.Thread):
             inflight[job.index] = job
         self.llm.collective_rpc("eagle_expect", args=([(job.index, job.ids) for job in jobs], None))
         params = SamplingParams(max_tokens=1, temperature=0.0)
+        t0 = time.perf_counter()
         try:
             self.llm.generate([TokensPrompt(prompt_token_ids=job.ids) for job in jobs], params, use_tqdm=False)
         except ValueError as exc:  # vLLM's own check refused a prompt: these requests fail, the server goes on
             said = (str(exc).splitlines() or [""])[0][:300]
             for job in jobs:
                 self._fail(inflight.pop(job.index), BadRequest(f"vLLM refused the prompt: {said}"))
+        self.calls += 1
+        self.call_s += time.perf_counter() - t0
         self.watch.beat()
+
+    def _drain(self, wait: bool) -> dict:
+        t0 = time.perf_counter()
+        got = drain_workers(self.llm, wait=wait)
+        self.drain_s += time.perf_counter() - t0
+        return got
+
+    def summary(self) -> str:
+        mean = self.rows / self.calls if self.calls else 0
+        return (f"{self.rows} rows served ({self.tokens:,} tokens) in {self.calls} engine calls ({mean:.1f} rows "
+                f"each; {self.call_s:.1f} s in the calls, {self.drain_s:.1f} s waiting for the workers), "
+                f"{self.redone} run again alone")  # fmt: skip
 
     def _generate(self, batch: list[_Job], inflight: dict[int, _Job], wait: bool) -> None:
         """One engine call; with `wait`, every row in flight is settled after it: answered or failed.  A row
         the matcher could not bind for sure runs again alone, once the call that confused it is settled."""
         self._call(batch, inflight)
-        redo = self._settle(drain_workers(self.llm, wait=wait), inflight)
+        redo = self._settle(self._drain(wait), inflight)
         if redo and not wait:
-            redo += self._settle(drain_workers(self.llm, wait=True), inflight)
+            redo += self._settle(self._drain(True), inflight)
             wait = True
         for _ in range(2):  # alone, a row cannot be ambiguous; twice is a bug, reported to its client
             if not redo:
@@ -243,8 +259,8 @@ class EngineLoop(threading.Thread):
             for job in redo:
                 self.redone += 1
                 self._call([job], inflight)
-                self._settle(drain_workers(self.llm, wait=False), inflight, later)  # its own settle marker
-            redo = self._settle(drain_workers(self.llm, wait=True), inflight, later)
+                self._settle(self._drain(False), inflight, later)  # its own settle marker
+            redo = self._settle(self._drain(True), inflight, later)
         for job in redo:
             self._fail(job, BadRequest("the prompt's states could not be told apart from another's", status=500))
         if wait:  # every row is settled now: one still in flight got no states
@@ -504,8 +520,8 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
         run_log.say(
-            f"stopped: {loop.rows} rows served ({loop.tokens:,} tokens, {loop.redone} run again alone, "
-            f"{spool.expired} files never collected and removed); the spool's files are removed; log: {log_path}"
+            f"stopped: {loop.summary()}; {spool.expired} files never collected were removed; the spool's files "
+            f"are removed; log: {log_path}"
         )
         if loop.failed:
             raise ExtractError(f"the engine failed: {loop.failed}; the server stopped (the log: {log_path})")
@@ -538,6 +554,7 @@ class _Server:
         self.server.should_exit = True
 
 
+PROGRESS_S = 30  # seconds between the server's progress lines
 GRACE_S = 20  # seconds the requests in flight get at shutdown; then their files get COLLECT_S to be read
 COLLECT_S = 5
 
@@ -546,10 +563,14 @@ def _serve_http(loop: EngineLoop, spool: Spool, http: _Server, run_log, where: s
     server = http.server
 
     def janitor() -> None:
+        said, shown = time.monotonic(), 0
         while not server.should_exit:
             spool.sweep()
             if loop.failed:
                 server.should_exit = True
+            if time.monotonic() - said > PROGRESS_S and loop.rows != shown:  # progress, while there is any
+                said, shown = time.monotonic(), loop.rows
+                run_log.say(f"{loop.summary()}; spool {spool.used() / 2**20:,.0f} MiB of {spool.limit / 2**20:,.0f}")
             time.sleep(0.5)
         http.app.state.give_up.set()  # requests waiting for room go now: they are in flight
 
