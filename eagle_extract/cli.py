@@ -382,6 +382,8 @@ def serve_command(host, port, spool, spool_bytes, spool_ttl, api_key, served_mod
     from .serve import ServeOptions, serve
 
     opts = ServeOptions(host, port, spool, spool_bytes, spool_ttl, api_key, served_model_name)
+    given = click.get_current_context().get_parameter_source("seq_length") is not click.core.ParameterSource.DEFAULT
+    opts.whole_context = not given  # a trainer's rows can be as long as the model takes
 
     def run(log):
         cfg = ExtractConfig.from_options(**options)

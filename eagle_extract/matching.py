@@ -172,7 +172,7 @@ class RequestMatcher:
                         pieces.add((c, d, id(start)))
                         todo += [(d, nxt) for nxt in starts.get(d, ()) if piece_ends(d, nxt)]
         finally:  # the recursive closure refers to itself: empty its cell, or the partial prompts (and their
-            del piece_ends  # states' host memory) would wait for the garbage collector
+            piece_ends = None  # states' host memory) would wait for the garbage collector
         partial = {id(s): s for c in starts for s in starts[c]}
         others = [(c, d, partial[i]) for c, d, i in pieces if (c, d, partial[i]) not in reading]
         ambiguous = any(not self._agrees(reading, tokens, c, d, start) for c, d, start in others)

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -60,6 +60,7 @@ class ServeOptions:
     spool_ttl: float = 600.0  # seconds a written file waits for its reader before it is removed
     api_key: str | None = None
     served_model_name: str | None = None  # None: --model as given, as `vllm serve` names it
+    whole_context: bool = False  # prompts up to the model's context, not --seq-length (serve's default)
 
 
 def check_serve_options(cfg: ExtractConfig, opts: ServeOptions) -> None:
@@ -481,6 +482,8 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
     width = 1 if cfg.fp8 else (4 if dtype in ("float32", "float") else 2)
     per_token = (len(aux_ids) + 1) * shape.hidden_size * width + 8 + (4 if cfg.fp8 else 0)
     name = opts.served_model_name or cfg.model
+    if opts.whole_context and shape.context:
+        cfg = replace(cfg, seq_length=shape.context - 1)
     max_model_len = min(cfg.seq_length + 1, shape.context or cfg.seq_length + 1)
     requests = Requests(name, tokenizer, max_model_len - 1, per_token)  # vLLM refuses a prompt of max_model_len
     log_path = folder / "eagle_extract.log"

@@ -170,7 +170,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(smollm2_ser
         "a float id": ({"model": s.model, "prompt": [1, 2.5]}, 400),
         "out of vocabulary": ({"model": s.model, "prompt": [1, 49152]}, 400),
         "negative id": ({"model": s.model, "prompt": [-1, 5]}, 400),
-        "longer than --seq-length": ({"model": s.model, "prompt": [5] * 2049}, 400),
+        "longer than the model's context": ({"model": s.model, "prompt": [5] * 8192}, 400),  # serve's default
         "unknown model": ({"model": "gpt-9", "prompt": [1, 2]}, 400),
         "no JSON object": ([1, 2, 3], 400),
         "image content": ({"model": s.model, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
