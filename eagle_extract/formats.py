@@ -70,10 +70,24 @@ def is_dataset_folder(path: Path) -> bool:
     return path.is_dir() and any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
 
 
-def _dataset_rows(path: Path) -> Iterator[tuple[int, object]]:
-    from datasets import DatasetDict, load_from_disk
+def load_saved(path: Path):
+    """datasets' load_from_disk, with a folder it cannot read (an Arrow file missing, a damaged state file) as
+    one line."""
+    from datasets import load_from_disk
 
-    ds = load_from_disk(str(path))
+    try:
+        return load_from_disk(str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        said = (str(exc).splitlines() or [""])[0][:200]
+        raise DataError(
+            f"--data {path}: the saved dataset cannot be read ({type(exc).__name__}: {said}); save it again"
+        ) from None
+
+
+def _dataset_rows(path: Path) -> Iterator[tuple[int, object]]:
+    from datasets import DatasetDict
+
+    ds = load_saved(path)
     if isinstance(ds, DatasetDict):
         if "train" not in ds and len(ds) != 1:
             raise DataError(f"{path} holds splits {', '.join(ds)}; pass the folder of one split to --data")
@@ -206,9 +220,9 @@ def count_rows(path: Path) -> int:
     """About how many rows `read_rows` yields, without parsing them (lines, for JSONL): for the disk estimate."""
     path = Path(path)
     if is_dataset_folder(path):
-        from datasets import DatasetDict, load_from_disk
+        from datasets import DatasetDict
 
-        ds = load_from_disk(str(path))
+        ds = load_saved(path)
         if isinstance(ds, DatasetDict):  # the split _dataset_rows reads
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
         return len(ds)

@@ -76,6 +76,11 @@ def _cases(tmp, model):
     (tmp / "bad-record" / "shards").mkdir(parents=True)
     (tmp / "bad-record" / "shards" / "1-of-2.json").write_text("")
     os.mkfifo(tmp / "fifo")
+    from datasets import Dataset
+
+    Dataset.from_dict({"input_ids": [[1, 2, 3]]}).save_to_disk(str(tmp / "no-arrow"))
+    for arrow in (tmp / "no-arrow").glob("*.arrow"):
+        arrow.unlink()
     (tmp / "user-file" / "hidden_states").mkdir(parents=True)
     (tmp / "user-file" / "eagle_extract.json").write_text("{}")
     (tmp / "user-file" / "hidden_states" / "hs_0.safetensors").write_text("")
@@ -177,6 +182,7 @@ def _cases(tmp, model):
         ("a run record that a power cut emptied", ["--output", str(tmp / "emptied")]),
         ("a shard's finished record emptied or edited", ["merge", str(tmp / "bad-record")]),
         ("a pipe or a device as data", ["--data", str(tmp / "fifo")]),
+        ("a saved dataset folder that lost its Arrow file", ["--data", str(tmp / "no-arrow")]),
         (f"{B}--overwrite{B} of an output with a file of someone else's in its hidden_states folder",
          ["--output", str(tmp / "user-file"), "--overwrite"]),  # fmt: skip
         ("a layer id written with an underscore or in another script", ["--layers", "1_5"]),
