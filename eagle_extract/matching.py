@@ -134,45 +134,50 @@ class RequestMatcher:
         long as the positions before it: vLLM lays a step's requests out by batch slot, so one request's chunk
         ending at position e can be followed by another's continuing at e.  The readings are not enumerated
         (prompts that are each other's prefixes make exponentially many): the pieces that lie on some reading
-        are found by dynamic programming, and each is compared with the first reading."""
+        are found by dynamic programming, and each is compared with the first reading.  `piece_ends` closes
+        over nothing of its own, so no cell keeps the partial prompts (and their host memory) alive."""
         n, end = len(tokens), start_pos + len(tokens)
         cuts = sorted({k - start_pos for s in self._open if start_pos < (k := len(s.tokens)) < end})
         starts = {c: self._starts(start_pos + c) for c in [0, *cuts]}
         ends: dict[tuple[int, int], list[int]] = {}  # (offset, id of the partial continued) -> where its piece may end
 
-        def piece_ends(c: int, start) -> list[int]:
-            key = (c, id(start))
-            if key not in ends:
+        def piece_ends(c0: int, start0) -> list[int]:
+            """Filled depth first with a stack of its own: nested prompts make hundreds of cuts, past Python's
+            recursion limit.  A piece ends at the run's end, or at a cut from which some partial prompt goes on."""
+            todo = [(c0, start0)]
+            while todo:
+                c, start = todo[-1]
+                if (c, id(start)) in ends:
+                    todo.pop()
+                    continue
                 base = tuple(start.tokens) if start else ()
-                found = [n] if _extended(self._running, base + tuple(tokens[c:]), strictly=False) else []
-                for d in (d for d in cuts if d > c):
-                    if _extended(self._running, base + tuple(tokens[c:d]), strictly=False) and any(
-                        piece_ends(d, nxt) for nxt in starts[d]
-                    ):
-                        found.append(d)
-                ends[key] = found
-            return ends[key]
+                heads = [d for d in cuts if d > c and _extended(self._running, base + tuple(tokens[c:d]), False)]
+                later = [(d, nxt) for d in heads for nxt in starts[d] if (d, id(nxt)) not in ends]
+                if later:
+                    todo += later
+                    continue
+                whole = [n] if _extended(self._running, base + tuple(tokens[c:]), strictly=False) else []
+                ends[(c, id(start))] = whole + [d for d in heads if any(ends[(d, id(nxt))] for nxt in starts[d])]
+                todo.pop()
+            return ends[(c0, id(start0))]
 
-        try:
-            first = next((s for s in starts[0] if piece_ends(0, s)), False)
-            if first is False:
-                return None, False
-            reading, c, start = [], 0, first
-            while True:  # the first reading: the longest piece first, the first partial prompt that goes on
-                d = piece_ends(c, start)[0]
-                reading.append((c, d, start))
-                if d == n:
-                    break
-                c, start = d, next(s for s in starts[d] if piece_ends(d, s))
-            pieces, todo = set(), [(0, s) for s in starts[0] if piece_ends(0, s)]
-            while todo:  # every piece on some reading
-                c, start = todo.pop()
-                for d in piece_ends(c, start):
-                    if (c, d, id(start)) not in pieces:
-                        pieces.add((c, d, id(start)))
-                        todo += [(d, nxt) for nxt in starts.get(d, ()) if piece_ends(d, nxt)]
-        finally:  # the recursive closure refers to itself: empty its cell, or the partial prompts (and their
-            piece_ends = None  # states' host memory) would wait for the garbage collector
+        first = next((s for s in starts[0] if piece_ends(0, s)), False)
+        if first is False:
+            return None, False
+        reading, c, start = [], 0, first
+        while True:  # the first reading: the longest piece first, the first partial prompt that goes on
+            d = piece_ends(c, start)[0]
+            reading.append((c, d, start))
+            if d == n:
+                break
+            c, start = d, next(s for s in starts[d] if piece_ends(d, s))
+        pieces, todo = set(), [(0, s) for s in starts[0] if piece_ends(0, s)]
+        while todo:  # every piece on some reading
+            c, start = todo.pop()
+            for d in piece_ends(c, start):
+                if (c, d, id(start)) not in pieces:
+                    pieces.add((c, d, id(start)))
+                    todo += [(d, nxt) for nxt in starts.get(d, ()) if piece_ends(d, nxt)]
         partial = {id(s): s for c in starts for s in starts[c]}
         others = [(c, d, partial[i]) for c, d, i in pieces if (c, d, partial[i]) not in reading]
         ambiguous = any(not self._agrees(reading, tokens, c, d, start) for c, d, start in others)
