@@ -33,6 +33,7 @@ from .output import (
     log_name,
     merge,
     prepare_output,
+    refuse_foreign_rows,
     replace_complete,
     writing_folder,
 )
@@ -76,6 +77,8 @@ def run_replicas(cfg: ExtractConfig, log=print) -> dict:
     if cfg.shard or cfg.regenerate:
         raise ExtractError("--dp cannot be combined with --shard or --regenerate")
     plan = make_plan(cfg)  # every input check once, before any engine starts
+    if cfg.overwrite:
+        refuse_foreign_rows(Path(cfg.output))
     read, usable, _, ended = first_counts(first_chunks(plan, read_rows(cfg.data)))
     expected = expected_rows(cfg, read, usable, ended)
     output = Path(cfg.output)

@@ -21,7 +21,7 @@ import socket
 import tempfile
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -41,6 +41,7 @@ from .watch import EngineWatch
 from .writer import hidden_state_path
 
 SPOOL_SHARE = 0.5  # of the spool filesystem's free space, the default --spool-bytes
+SERVE_LENGTH = 32767  # the longest prompt served without --seq-length, where the model's context is longer
 
 
 class BadRequest(Exception):
@@ -60,7 +61,7 @@ class ServeOptions:
     spool_ttl: float = 600.0  # seconds a written file waits for its reader before it is removed
     api_key: str | None = None
     served_model_name: str | None = None  # None: --model as given, as `vllm serve` names it
-    whole_context: bool = False  # prompts up to the model's context, not --seq-length (serve's default)
+    whole_context: bool = False  # prompts up to the model's context (at most SERVE_LENGTH), not --seq-length
 
 
 def check_serve_options(cfg: ExtractConfig, opts: ServeOptions) -> None:
@@ -93,6 +94,7 @@ class Spool:
         self.root, self.limit, self.ttl = root, limit, ttl
         self._files: dict[Path, tuple[int, float]] = {}  # written, not yet seen gone: bytes, time written
         self._bytes = 0  # of those files and of the rows in flight
+        self._waiting: list[object] = []  # requests waiting for room, first come first
         self._cond = threading.Condition()
         self.expired = 0
 
@@ -100,11 +102,20 @@ class Spool:
         return self._bytes
 
     def reserve(self, nbytes: int, give_up: threading.Event) -> None:
-        """Wait for room; a row larger than the whole spool goes when the spool is empty."""
+        """Wait for room, in the order the requests came (small rows must not starve a long one); a row larger
+        than the whole spool goes when the spool is empty."""
+        ticket = object()
         with self._cond:
-            while self._bytes + nbytes > self.limit and self._bytes and not give_up.is_set():
-                self._cond.wait(0.5)
-                self._sweep()
+            self._waiting.append(ticket)
+            try:
+                while not give_up.is_set() and (
+                    self._waiting[0] is not ticket or self._bytes and self._bytes + nbytes > self.limit
+                ):
+                    self._cond.wait(0.5)
+                    self._sweep()
+            finally:
+                self._waiting.remove(ticket)
+                self._cond.notify_all()
             self._bytes += nbytes
 
     def written(self, path: Path, reserved: int) -> None:
@@ -147,7 +158,7 @@ class Spool:
             self._bytes = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     ids: list[int]
     nbytes: int
@@ -169,6 +180,7 @@ class EngineLoop(threading.Thread):
         self._numbers = itertools.count()
         self.rows = self.tokens = self.redone = 0
         self.calls, self.call_s, self.drain_s = 0, 0.0, 0.0  # engine calls, and seconds in them and in drains
+        self._parked: set[_Job] = set()  # taken out of flight to run again alone: failed too if the loop fails
 
     def submit(self, ids: list[int], nbytes: int) -> Future:
         if self.failed:
@@ -200,7 +212,7 @@ class EngineLoop(threading.Thread):
         except BaseException as exc:
             self.failed = str(exc) if isinstance(exc, ExtractError) else f"{type(exc).__name__}: {exc}"
             self.note(f"engine loop failed: {self.failed}")
-            for job in [*inflight.values(), *self._queued()]:
+            for job in [*inflight.values(), *self._parked, *self._queued()]:
                 self._fail(job, BadRequest(f"the engine failed: {self.failed}", status=503))
 
     def _queued(self) -> list[_Job]:
@@ -220,15 +232,21 @@ class EngineLoop(threading.Thread):
         for job in jobs:
             job.index = next(self._numbers)
             inflight[job.index] = job
+            self._parked.discard(job)
         self.llm.collective_rpc("eagle_expect", args=([(job.index, job.ids) for job in jobs], None))
         params = SamplingParams(max_tokens=1, temperature=0.0)
         t0 = time.perf_counter()
         try:
             self.llm.generate([TokensPrompt(prompt_token_ids=job.ids) for job in jobs], params, use_tqdm=False)
-        except ValueError as exc:  # vLLM's own check refused a prompt: these requests fail, the server goes on
-            said = (str(exc).splitlines() or [""])[0][:300]
+        except ValueError as exc:  # vLLM's own check refused a prompt: that request fails, the server goes on
             for job in jobs:
-                self._fail(inflight.pop(job.index), BadRequest(f"vLLM refused the prompt: {said}"))
+                inflight.pop(job.index)
+            if len(jobs) > 1:  # which one: each alone
+                for job in jobs:
+                    self._call([job], inflight)
+                return
+            said = (str(exc).splitlines() or [""])[0][:300]
+            self._fail(jobs[0], BadRequest(f"vLLM refused the prompt: {said}"))
         self.calls += 1
         self.call_s += time.perf_counter() - t0
         self.watch.beat()
@@ -263,6 +281,7 @@ class EngineLoop(threading.Thread):
                 self._settle(self._drain(False), inflight, later)  # its own settle marker
             redo = self._settle(self._drain(True), inflight, later)
         for job in redo:
+            self._parked.discard(job)
             self._fail(job, BadRequest("the prompt's states could not be told apart from another's", status=500))
         if wait:  # every row is settled now: one still in flight got no states
             for index in list(inflight):
@@ -279,14 +298,15 @@ class EngineLoop(threading.Thread):
             self.spool.written(path, job.nbytes)
             self.rows += 1
             self.tokens += len(job.ids)
-            if job.future.done():  # its client went away (a cancelled request): nobody will read it
-                path.unlink(missing_ok=True)
-            else:
+            try:
                 job.future.set_result(str(path))
+            except InvalidStateError:  # its client went away (a cancelled request): nobody will read it
+                path.unlink(missing_ok=True)
         for index in got["lost"]:
             if index in inflight:
                 self._fail(inflight.pop(index), BadRequest("no states were captured for this prompt", status=500))
         again = [inflight.pop(i) for i in got["redo"] if i in inflight]
+        self._parked.update(again)
         if redo is None:
             return again
         redo += again
@@ -294,8 +314,10 @@ class EngineLoop(threading.Thread):
 
     def _fail(self, job: _Job, error: BadRequest) -> None:
         self.spool.release(job.nbytes)
-        if not job.future.done():
+        try:
             job.future.set_exception(error)
+        except InvalidStateError:  # cancelled meanwhile: nobody waits for it
+            pass
 
 
 def _error(status: int, message: str, param: str | None = None):
@@ -482,8 +504,8 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
     width = 1 if cfg.fp8 else (4 if dtype in ("float32", "float") else 2)
     per_token = (len(aux_ids) + 1) * shape.hidden_size * width + 8 + (4 if cfg.fp8 else 0)
     name = opts.served_model_name or cfg.model
-    if opts.whole_context and shape.context:
-        cfg = replace(cfg, seq_length=shape.context - 1)
+    if opts.whole_context and shape.context:  # up to SERVE_LENGTH: a 1M-token context's KV cache may not fit
+        cfg = replace(cfg, seq_length=min(shape.context - 1, SERVE_LENGTH))
     max_model_len = min(cfg.seq_length + 1, shape.context or cfg.seq_length + 1)
     requests = Requests(name, tokenizer, max_model_len - 1, per_token)  # vLLM refuses a prompt of max_model_len
     log_path = folder / "eagle_extract.log"
