@@ -14,6 +14,7 @@ trainer never collected are removed after `--spool-ttl` seconds and at shutdown.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import shutil
 import signal
@@ -541,6 +542,9 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
             loop.stopping.set()
             loop.join(timeout=25)
             spool.clear()
+            watch.stop.set()  # before the engine goes: its processes end now, and that is no failure
+            loop.llm = llm = None  # vLLM stops its engine now, into the log, not after our last line
+            gc.collect()
             watch.reap()
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
