@@ -319,7 +319,7 @@ class StepCapture:
         self._redo += rows
         self.stats.redo_rows += len(rows)
 
-    def take_redo(self) -> tuple[list[int], list[int]]:
+    def take_unwritten(self) -> tuple[list[int], list[int]]:
         """(The rows to run again alone since the last call: an ambiguous run may have given them another
         row's states, so none of theirs was written; the rows settled unmatched since then.)"""
         with self.lock:

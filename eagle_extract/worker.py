@@ -117,7 +117,7 @@ class HiddenStateExtension:
         )
         report = writer.drain(wait)
         report["errors"] = captured["errors"] + report["errors"]
-        redo, lost = capture.take_redo()
+        redo, lost = capture.take_unwritten()
         return {**captured, **report, "redo": redo, "lost": lost}
 
     def eagle_remove(self) -> None:
