@@ -30,7 +30,8 @@ class CaptureStats:
     split_requests: int = 0  # requests whose prompt arrived over more than one step
     merged_runs: int = 0  # runs holding one request's end and another's continuation (RequestMatcher.add)
     ambiguous_runs: int = 0  # runs more than one request could own (RequestMatcher): their rows are redone
-    redo_rows: int = 0  # rows handed back to be run again alone instead of written from an ambiguous binding
+    redo_rows: int = 0  # rows handed back to be run again alone: an ambiguous binding, or no room (below)
+    dropped_partials: int = 0  # open prompts whose states did not fit in --host-memory (RequestMatcher)
     unmatched_tokens: int = 0  # padding or foreign tokens that belong to no expected request
     dropped_steps: int = 0  # steps whose token ids or states never arrived (a hook that did not fire)
     dropped_tokens: int = 0
@@ -293,10 +294,13 @@ class StepCapture:
                 finished += done
             self.matcher.prune()
             # prompts still open keep a copy of their part, never this whole step buffer
-            self.matcher.replace_open_chunks(lambda c: Rows.join([c], self.budget) if c.held is step.held else c)
+            self.matcher.copy_open_chunks(
+                lambda c, alone: Rows.join([c], self.budget, if_room=not alone) if c.held is step.held else c
+            )
             self.stats.split_requests = self.matcher.split_requests
             self.stats.merged_runs = self.matcher.merged_runs
             self.stats.ambiguous_runs = self.matcher.ambiguous_runs
+            self.stats.dropped_partials = self.matcher.dropped_partials
             self._add_redo(self.matcher.take_redo())
         for req, chunks in finished:
             row = chunks[0][:] if len(chunks) == 1 else Rows.join(chunks, self.budget)

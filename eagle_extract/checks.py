@@ -258,13 +258,19 @@ def check_row(
     return None, layer_ids
 
 
-def layer_id_problems(held: dict[int, str], recorded: int, slot_ids: list[int]) -> list[tuple[int | None, str]]:
+def layer_id_problems(
+    held: dict[int, str], recorded: int, slot_ids: list[int], foreign: set[int]
+) -> list[tuple[int | None, str]]:
     """Rows that record other layer ids than the manifest's `slot_ids`.  When no row records the manifest's,
-    the manifest is what changed: one line.  Otherwise each such row is a row problem (for --repair)."""
+    one line: the rows are another extraction's when their token ids differ from the dataset's too
+    (`foreign`), else the manifest is what changed.  Otherwise each such row is a row problem (for --repair)."""
     want = layer_ids_text(slot_ids)
     if held and len(held) == recorded:
         seen = " or ".join(sorted(set(held.values()))[:3])
         said = f"no row holds the manifest's slot_layer_ids {want} (the rows hold {seen})"
+        if foreign >= set(held):
+            return [(None, f"{said} and their token ids are not the dataset's: {HIDDEN_DIR}/ holds another "
+                     "extraction's rows; put this output's own back, or extract again into a new --output")]
         return [(None, f"{said}: the manifest was changed after the extraction")]
     return [(i, f"holds layers {ids}, not the manifest's slot_layer_ids {want}") for i, ids in held.items()]
 
@@ -318,7 +324,7 @@ def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None,
         slots, hidden, dtype = len(m["slot_layer_ids"]), m["hidden_size"], DTYPES[m["storage_dtype"]]
         want = layer_ids_text(m["slot_layer_ids"])
     freq_now, tokens, loss_tokens = torch.zeros(0, dtype=torch.int64), 0, 0  # one row in memory at a time
-    held, recorded = {}, 0  # rows recording other layer ids than the manifest's; rows recording any
+    held, recorded, foreign = {}, 0, set()  # rows recording other layer ids than the manifest's; any; other tokens
     for i in counting(len(rows), "verify", "row", show=progress):
         row = rows[i]
         counted = row["input_ids"][row["loss_mask"].bool()]
@@ -337,12 +343,17 @@ def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None,
             continue  # the online trainer asks the server for this row
         if problem:
             problems.append((i, problem))
+            if problem.startswith(("token_ids differ", "hidden_states shape")):
+                foreign.add(i)
         if layer_ids is not None:
             recorded += 1
             if layer_ids != want:
                 held[i] = layer_ids
     if layout:
-        problems += layer_id_problems(held, recorded, m["slot_layer_ids"])
+        summary = layer_id_problems(held, recorded, m["slot_layer_ids"], foreign)
+        if summary[:1] and summary[0][0] is None and foreign >= set(held):  # another run's rows: one line
+            problems = [(i, p) for i, p in problems if i not in held]
+        problems += summary
     problems += [(None, p) for p in count_problems(m, len(rows), tokens, loss_tokens)]
     problems += [
         (i, "stray hidden-state file beyond the last row")

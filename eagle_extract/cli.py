@@ -12,7 +12,7 @@ from . import api
 from .checks import repairable
 from .config import CHOICES, ExtractConfig
 from .errors import ExtractError
-from .interrupts import stop_on_sigterm
+from .interrupts import stop_on_signals
 from .writer import MANIFEST
 
 D = ExtractConfig()  # the defaults, shared with the API
@@ -404,7 +404,7 @@ def merge(output):
 def _run_or_fail(fn, *args, interrupted="interrupted; every completed row is kept: rerun the same command to resume",
                  **kwargs):  # fmt: skip
     """Run the job; user-facing failures and SIGINT/SIGTERM become one line and exit 1."""
-    stop_on_sigterm()  # a scheduler's stop: leave resumable, like Ctrl-C
+    stop_on_signals()  # a scheduler's stop: leave resumable, like Ctrl-C
     try:
         return fn(*args, log=click.echo, **kwargs)
     except ExtractError as exc:

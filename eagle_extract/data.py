@@ -57,22 +57,33 @@ def _common_prefix(a: str, b: str) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The full rendering and the character spans of every assistant turn in it."""
-    full = _render(tokenizer, messages, False)
+def assistant_char_spans(
+    tokenizer, messages: list[dict], full: str | None = None, until: int | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and the character spans of its assistant turns, those starting before character
+    `until` (where the kept tokens end): each span renders the turns before it, so a conversation's spans
+    cost the square of its turns, and turns past the cut are never rendered alone."""
+    full = _render(tokenizer, messages, False) if full is None else full
+    until = len(full) if until is None else until
     spans = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
+        before = _render(tokenizer, messages[:k], False).rstrip()
+        if len(before) >= until:
+            break
         start = _common_prefix(_render(tokenizer, messages[:k], True), full)
-        if start < len(_render(tokenizer, messages[:k], False).rstrip()):
+        if start < len(before):
             raise BadRow(f"chat template renders the turns before turn {k} differently once turn {k} follows")
         marked = {**message, "content": (message.get("content") or "") + _END}
         alone = _render(tokenizer, messages[:k] + [marked], False)
-        within = _render(tokenizer, messages[:k] + [marked] + messages[k + 1 :], False)
+        for tail in (messages[k + 1 : k + 3], messages[k + 1 :]):  # the next turns, else all (a template may
+            within = _render(tokenizer, messages[:k] + [marked] + tail, False)  # look at the last user turn)
+            end = within.find(_END)
+            if end >= 0 and within[:end] == full[:end]:
+                break
         if _END not in within or _END not in alone:
             raise BadRow(f"chat template does not render the content of assistant turn {k}")
-        end = within.index(_END)
         if within[:end] != full[:end] or end < start:
             raise BadRow(f"chat template renders assistant turn {k} in a way its span cannot be found")
         glue = alone[alone.index(_END) + len(_END) :].rstrip()  # end-of-turn text, e.g. <|im_end|>
@@ -94,7 +105,8 @@ def _template_marks(tokenizer, messages: list[dict]) -> tuple[list[int], list[in
     return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
 
 
-def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def tokenize_conversation(tokenizer, messages: list[dict], keep: int | None = None) -> tuple[list[int], list[int]]:
+    """The conversation's token ids and loss mask; past the first `keep` tokens the mask may be left 0."""
     if _GENERATION_MARK.search(tokenizer.chat_template or ""):
         return _template_marks(tokenizer, messages)
     if not getattr(tokenizer, "is_fast", True):
@@ -102,8 +114,10 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], l
             "the model's tokenizer is a slow (Python) one, which cannot map tokens to text offsets, and its chat "
             "template has no {% generation %} marks: give the checkpoint a tokenizer.json, or use token rows"
         )
-    text, spans = assistant_char_spans(tokenizer, messages)
+    text = _render(tokenizer, messages, False)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    until = enc["offset_mapping"][keep - 1][1] if keep and len(enc["input_ids"]) > keep else len(text)
+    _, spans = assistant_char_spans(tokenizer, messages, text, until)
     mask = [0] * len(enc["input_ids"])
     for i, (a, b) in enumerate(enc["offset_mapping"]):
         if any(a < end and b > start for start, end in spans):
@@ -111,7 +125,7 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], l
     return list(enc["input_ids"]), mask
 
 
-def tokenize_record(tokenizer, record: Record) -> tuple[list[int], list[int]]:
+def tokenize_record(tokenizer, record: Record, keep: int | None = None) -> tuple[list[int], list[int]]:
     if record.input_ids is not None:
         if max(record.input_ids) >= len(tokenizer):
             raise BadRow(f"token id {max(record.input_ids)} is outside the model's vocabulary of {len(tokenizer)}")
@@ -119,14 +133,14 @@ def tokenize_record(tokenizer, record: Record) -> tuple[list[int], list[int]]:
     if record.text is not None:
         ids = tokenizer(record.text)["input_ids"]
         return ids, [1] * len(ids)
-    return tokenize_conversation(tokenizer, record.messages)
+    return tokenize_conversation(tokenizer, record.messages, keep)
 
 
-def _tokenized(tokenizer, record: Record) -> tuple[list[int], list[int]]:
+def _tokenized(tokenizer, record: Record, keep: int) -> tuple[list[int], list[int]]:
     """tokenize_record, where what the tokenizer or the template refuses (a lone surrogate, content nested
     too deeply) is this row's problem, not the run's."""
     try:
-        return tokenize_record(tokenizer, record)
+        return tokenize_record(tokenizer, record, keep)
     except (BadRow, DataError):
         raise
     except (TypeError, ValueError, UnicodeError, RecursionError) as exc:
@@ -171,7 +185,7 @@ def sample_from(record, number: int, reason: str | None, tokenizer, seq_length: 
             raise BadRow(reason)
         if record.messages is not None and not getattr(tokenizer, "chat_template", None):
             raise DataError("the model's tokenizer has no chat template; use a chat model or pre-tokenized rows")
-        ids, mask = _tokenized(tokenizer, record)
+        ids, mask = _tokenized(tokenizer, record, seq_length)
         if len(ids) > seq_length and options.get("long_samples") == "skip":
             return Skipped(number, f"{len(ids)} tokens, longer than --seq-length {seq_length}", long=True)
         truncated = len(ids) > seq_length

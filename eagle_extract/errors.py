@@ -7,6 +7,7 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
+from .interrupts import interrupted
 from .runlog import NOTE, START
 
 
@@ -24,6 +25,8 @@ def engine_errors(log_path=None):
     except ExtractError:
         raise
     except Exception as exc:
+        if interrupted():  # the engine died of the user's Ctrl-C (or a SIGTERM): say that, not its failure
+            raise KeyboardInterrupt from exc
         if _raised_in_eagle_extract(exc):
             said = " ".join(str(exc).split())[:400] or "no message"
             raise ExtractError(

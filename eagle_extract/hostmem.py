@@ -2,13 +2,15 @@
 
 A step's states land in one host buffer (pinned on a GPU) and every finished request is a slice of it
 (`Rows`) that goes to the writer as it is, so a buffer lives until its last row is written.  Prompts still
-open when their step is assembled are copied out of the buffer (`Rows.copy`), so they never keep whole
+open when their step is assembled are copied out of the buffer (`Rows.join`), so they never keep whole
 steps alive, and a request spread over several steps is joined into memory of its own.  Each buffer's
 bytes are taken from one `ByteBudget` when it is made and given back when the last `Rows` of it goes.
 Only the forward pass waits for room, and only while something that frees room without it is in flight
-(rows being written, steps waiting to be assembled); the assembly thread never waits (its copies and
-joins may pass the budget by at most one step's rows), so a budget smaller than one step slows a run
-but never deadlocks it.
+(rows being written, steps waiting to be assembled); the assembly thread never waits.  Its joins of
+finished rows may pass the budget by at most one step's rows; open prompts are copied only while they
+fit (one at a time always is), and one that does not drops its states and its rows are run again, so
+prompts that are each other's prefixes (the first k turns of a conversation) cannot pile up past the
+budget.  A budget smaller than one step slows a run but never deadlocks it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ class ByteBudget:
                 self._cond.wait_for(lambda: not blocked())
             self.used += nbytes
             self.peak = max(self.peak, self.used)
+
+    def try_take(self, nbytes: int) -> bool:
+        """Count `nbytes` as held if they fit; never waits."""
+        with self._cond:
+            if self.used + nbytes > self.limit:
+                return False
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+            return True
 
     def give(self, nbytes: int) -> None:
         with self._cond:
@@ -109,10 +120,15 @@ class Rows:
         return self.states.nbytes + (0 if scales is None else scales.nbytes)
 
     @staticmethod
-    def join(parts: list[Rows], budget: ByteBudget) -> Rows:
-        """The parts one after another in memory of their own (also a copy of a single part)."""
+    def join(parts: list[Rows], budget: ByteBudget, if_room: bool = False) -> Rows | None:
+        """The parts one after another in memory of their own (also a copy of a single part); with
+        `if_room`, None when they do not fit in the budget."""
         nbytes = sum(p.nbytes for p in parts)
-        budget.take(nbytes, wait=False)  # the assembly thread: waiting here could wait on its own rows
+        if if_room:
+            if not budget.try_take(nbytes):
+                return None
+        else:
+            budget.take(nbytes, wait=False)  # the assembly thread: waiting here could wait on its own rows
         try:
             states = torch.cat([p.states for p in parts])
             scales = None if parts[0].scales is None else torch.cat([p.scales for p in parts])

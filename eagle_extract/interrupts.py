@@ -1,13 +1,25 @@
-"""A scheduler's SIGTERM stops a job the way Ctrl-C does, leaving it resumable."""
+"""A scheduler's SIGTERM stops a job the way Ctrl-C does, leaving it resumable; and whether either came.
+
+The engine's processes get the terminal's Ctrl-C too and die of it, so what the driver sees next is often
+the engine's failure ("cancelled", a dead engine): once an interrupt has come, that is the interrupt."""
 
 from __future__ import annotations
 
 import signal
+import threading
+
+_received = threading.Event()
 
 
 def _interrupt(signum, frame):
+    _received.set()
     raise KeyboardInterrupt
 
 
-def stop_on_sigterm() -> None:
-    signal.signal(signal.SIGTERM, _interrupt)
+def stop_on_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+
+
+def interrupted() -> bool:
+    return _received.is_set()

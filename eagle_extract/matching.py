@@ -81,6 +81,7 @@ class RequestMatcher:
         self.split_requests = 0
         self.merged_runs = 0  # runs that held the chunk of one request and a continuation of another
         self.ambiguous_runs = 0
+        self.dropped_partials = 0  # partial prompts whose states did not fit in host memory
 
     def expect(self, index: int, token_ids: list[int]) -> None:
         key = tuple(token_ids)
@@ -226,7 +227,7 @@ class RequestMatcher:
         key = tuple(partial.tokens)
         done = []
         waiting = self._whole.get(key)
-        if waiting and partial.chunks is not None:
+        if waiting and (partial.chunks is not None or partial.tainted):
             req = waiting.popleft()
             if not waiting:
                 del self._whole[key]
@@ -248,12 +249,19 @@ class RequestMatcher:
         redo, self.redo = self.redo, []
         return redo
 
-    def replace_open_chunks(self, fn) -> None:
-        """Swap every chunk an open partial prompt holds for `fn(chunk)` (the capture copies them out of
-        a step's buffer, so that buffer can go)."""
-        for partial in self._open:
-            if partial.chunks is not None:
-                partial.chunks = [fn(c) for c in partial.chunks]
+    def copy_open_chunks(self, copy) -> None:
+        """Swap every chunk an open partial prompt holds for `copy(chunk, alone)` (the capture copies them
+        out of a step's buffer, so that buffer can go); `alone` says no other partial prompt holds states.
+        A partial prompt for which `copy` gives None (no host memory for it) drops its states and is
+        tainted: the rows it completes are run again, where fewer prompts are open."""
+        holding = [s for s in self._open if s.chunks is not None]
+        for partial in holding:
+            chunks = [copy(c, len(holding) == 1) for c in partial.chunks]
+            if any(c is None for c in chunks):
+                partial.chunks, partial.tainted = None, True
+                self.dropped_partials += 1
+            else:
+                partial.chunks = chunks
 
     def prune(self) -> None:
         """Close the partial prompts no running prompt extends; drop the states of those no waiting row

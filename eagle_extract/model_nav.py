@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from .errors import ExtractError
+
 # Owners of `.layers` tried in this order before the generic search.
 KNOWN_PATHS = ("model", "language_model.model", "language_model", "model.language_model", "transformer")
 # What decoders call their token embedding (GptOssModel: `embedding`).
@@ -81,7 +83,10 @@ def _stack(root: nn.Module, path: str) -> DecoderStack:
     owner = _resolve(root, path)
     layers = getattr(owner, "layers", None) if owner is not None else None
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise DecoderNotFound(f"no decoder layer list at '{path}.layers'; found: {_layer_owners(root)}")
+        found = ", ".join(_layer_owners(root)) or "none"
+        raise DecoderNotFound(
+            f"{type(root).__name__} has no decoder layer list at '{path}.layers' (modules with one: {found})"
+        )
     start, end = _stage_bounds(owner, layers)
     return DecoderStack(path, owner, layers, start, end, _embedding(owner))
 
@@ -95,10 +100,20 @@ def _embedding(owner: nn.Module) -> nn.Module | None:
     return None if found is None or _is_placeholder(found) else found
 
 
+def refuse_unfound_decoder(installed: list[dict]) -> None:
+    """The driver's side of a worker that found no decoder to hook (`eagle_install`): one line, the user's."""
+    said = next((w["decoder_not_found"] for w in installed if "decoder_not_found" in w), None)
+    if said is not None:
+        raise ExtractError(f"{said}; nothing was written")
+
+
 def find_decoder(model: nn.Module, path: str | None = None) -> DecoderStack:
     """Locate the text decoder's layer list; `path` (e.g. 'language_model.model') overrides the search."""
     if path is not None:
-        return _stack(model, path)
+        try:
+            return _stack(model, path)
+        except DecoderNotFound as exc:
+            raise DecoderNotFound(f"--decoder-path {path}: {exc}; pass one of those, or leave it out") from None
     for known in KNOWN_PATHS:
         owner = _resolve(model, known)
         if owner is not None and isinstance(getattr(owner, "layers", None), nn.ModuleList):

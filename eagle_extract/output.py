@@ -144,12 +144,20 @@ def identical_complete(output: Path, identity: dict, overwrite: bool, states: st
     if overwrite or not path.exists():
         return None
     try:
-        manifest = json.loads(path.read_text())
-        same = not identity_changes(manifest["identity"], identity)
-    except (ValueError, KeyError, TypeError):
-        same, manifest = False, None
-    if not same:
-        raise ExtractError(f"--output {output} already holds a complete extraction; pass --overwrite to replace it")
+        manifest = json.loads(path.read_bytes())
+        changed = identity_changes(manifest["identity"], identity)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        raise ExtractError(
+            f"--output {output}: its manifest {path} is unreadable ({why}); delete it and rerun the command that "
+            "wrote the output: every row already written is checked and kept, and the manifest is written again"
+        ) from None
+    if changed:
+        k = changed[0]
+        raise ExtractError(
+            f"--output {output} already holds a complete extraction with a different {k} "
+            f"({manifest['identity'][k]!r}, now {identity[k]!r}); pass --overwrite to replace it, or choose another --output"
+        )
     if manifest.get("states") == "none" and states == "all":
         raise ExtractError(
             f"--output {output} is complete without hidden states (--states none); pass --overwrite to extract every "
@@ -296,7 +304,11 @@ def refuse_other_runs(output: Path, identity: dict, shard: tuple[int, int] | Non
         changed = identity_changes(previous, identity)
         if changed:
             k = changed[0]
-            fix = "use the other shards' settings" if shard else "pass --overwrite to start over"
+            fix = (
+                "use the other shards' settings"
+                if shard
+                else "rerun with its settings to resume it (every row written is kept), or pass --overwrite to start over"
+            )
             raise ExtractError(
                 f"--output {output} holds an unfinished run with a different {k} "
                 f"({previous.get(k)!r}, now {identity[k]!r}); {fix}"

@@ -7,6 +7,7 @@ disk space.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -117,6 +118,11 @@ def check_options(cfg: ExtractConfig) -> None:
     if not 0 <= cfg.temperature < float("inf") or not 0 < cfg.top_p <= 1:
         raise ExtractError(
             f"--temperature {cfg.temperature} --top-p {cfg.top_p}: need temperature >= 0 and top-p in (0, 1]"
+        )
+    if cfg.decoder_path is not None and not re.fullmatch(r"[A-Za-z_]\w*(\.\w+)*", cfg.decoder_path):
+        raise ExtractError(
+            f"--decoder-path {cfg.decoder_path!r}: give the dotted attribute path of the module whose .layers are "
+            "the decoder layers, like language_model.model"
         )
     if cfg.host_memory is not None and not 0 < cfg.host_memory < float("inf"):
         raise ExtractError(f"--host-memory {cfg.host_memory}: give the GiB of host memory captured states may hold")

@@ -22,7 +22,7 @@ from .engine import cpu_thread_binding
 from .errors import ExtractError
 from .formats import read_rows
 from .hostmem import default_budget
-from .interrupts import stop_on_sigterm
+from .interrupts import stop_on_signals
 from .lock import REPLICA_ENV
 from .output import (
     already_complete,
@@ -152,7 +152,7 @@ def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log, lock_
 
 def _replica(config_json: str) -> int:
     """One replica's process: the parent passes its ExtractConfig as JSON."""
-    stop_on_sigterm()
+    stop_on_signals()
     cfg = ExtractConfig.from_options(**json.loads(config_json))
     where = os.environ.get("CUDA_VISIBLE_DEVICES") or f"CPU cores {sorted(os.sched_getaffinity(0))}"
     print(f"replica {cfg.shard} on {'GPUs ' if 'CUDA_VISIBLE_DEVICES' in os.environ else ''}{where}", flush=True)

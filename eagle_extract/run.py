@@ -21,6 +21,7 @@ from .engine import start_engine
 from .errors import ExtractError, engine_errors
 from .formats import BadRow
 from .hostmem import default_budget
+from .model_nav import refuse_unfound_decoder
 from .plan import Plan, make_plan
 from .runlog import RunLog, progress, share_progress
 from .stages import PartJoiner, check_layout
@@ -69,7 +70,8 @@ def run(cfg: ExtractConfig, log=print) -> dict:
                 watch.note = run_log.note
                 result = _extract(replace(plan, cfg=staged), (source, first, sized), run_log, watch)
         except ExtractError as exc:  # the same error (a DataError stays a ValueError), pointing at the log
-            exc.args = (f"{exc} (the run's log: {log_path})",)
+            if log_path.exists():  # not when the output folder went with it
+                exc.args = (f"{exc} (the run's log: {log_path})",)
             raise
         finally:  # the engine has shut down (RunLog's exit let it go): nothing of it may hold GPUs now
             watch.reap()
@@ -356,6 +358,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
     host_memory = (int(cfg.host_memory * 2**30) if cfg.host_memory else default_budget()) // cfg.pp
     args = (str(folder), plan.aux_ids, cfg.decoder_path, cfg.fp8, cfg.legacy, cfg.writer_threads, host_memory)
     installed = llm.collective_rpc("eagle_install", args=args)
+    refuse_unfound_decoder(installed)
     writers = [w for w in installed if w["writes"]]  # in rank order, as eagle_drain reports them
     try:
         check_layout(writers, plan.shape.num_layers, len(plan.slot_ids))

@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException
 from .config import ExtractConfig
 from .errors import ExtractError, engine_errors
 from .hostmem import default_budget
+from .model_nav import refuse_unfound_decoder
 from .plan import model_layers
 from .preflight import check_options, check_weights, load_tokenizer
 from .run import drain_workers
@@ -529,6 +530,7 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
         watch.pause()
         args = (str(folder), aux_ids, cfg.decoder_path, cfg.fp8, False, cfg.writer_threads, host_memory)
         installed = llm.collective_rpc("eagle_install", args=args, kwargs={"durable": False})
+        refuse_unfound_decoder(installed)
         if not any(w["writes"] for w in installed):
             raise ExtractError("no worker installed the capture; report this as a bug with the run's log")
         loop = EngineLoop(llm, spool, cfg.batch_size, watch, run_log.note)

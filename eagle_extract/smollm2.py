@@ -183,6 +183,12 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
                     "folder writable, or point EAGLE_EXTRACT_CACHE at a writable folder to build it there"
                 ) from exc
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    build(target)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        build(target)
+    except OSError as exc:
+        raise ExtractError(
+            f"cannot build the bundled SmolLM2 in {root} ({exc.strerror or exc}): make it writable, or point "
+            "EAGLE_EXTRACT_CACHE at a writable folder"
+        ) from exc
     return target

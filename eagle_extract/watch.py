@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+from .interrupts import interrupted
 from .runlog import terminal
 
 ENGINE_NAMES = ("VLLM", "Worker", "EngineCore")  # vLLM's process titles; Ray's workers: ray::RayWorkerProc/Wrapper
@@ -124,7 +125,7 @@ class EngineWatch:
                 )
 
     def _fail(self, what: str) -> None:
-        if self.stop.is_set():
+        if self.stop.is_set() or interrupted():  # the main thread is already stopping, and says why
             return
         self.failing.set()  # from now on the main thread waits in reap() for this thread to end the process
         line = f"Error: {what}; {self.advice}"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .capture import StepCapture
 from .hostmem import ByteBudget, default_budget
-from .model_nav import find_decoder
+from .model_nav import DecoderNotFound, find_decoder
 from .stages import part_root, stage_slots
 from .writer import BackgroundWriter
 
@@ -49,7 +49,10 @@ class HiddenStateExtension:
         Every file records its slots' layer ids, taken from `aux_ids` and the layer count of the model
         loaded here, for `verify` to hold the manifest to."""
         model = self.get_model()
-        stack = find_decoder(model, decoder_path)
+        try:
+            stack = find_decoder(model, decoder_path)
+        except DecoderNotFound as exc:  # the user's to fix: said by the driver, not as the engine's failure
+            return {"decoder_not_found": str(exc), "writes": False}
         slots = stage_slots(aux_ids, stack.num_layers, stack.start, stack.end)
         whole = stack.is_first_stage and stack.is_last_stage
         info = {

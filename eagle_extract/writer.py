@@ -221,9 +221,16 @@ class BackgroundWriter:
                     self.output, index, rows.states, token_ids, self.fp8, rows.scales, self.layer_ids, self.durable
                 )
         except Exception as exc:  # reported to the driver by drain()
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            folder = hidden_state_path(self.output, index, self.legacy).parent
+            if not folder.is_dir():
+                said = (
+                    f"{folder} disappeared while rows were being written (removed or renamed): rename it back and "
+                    "rerun the same command to resume, or rerun it to start again"
+                )
+            else:
+                said = f"row {index}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}"
             with self._lock:
-                self.errors.append(f"row {index}: {why}")
+                self.errors.append(said)
             return
         with self._lock:
             self.written.append(index)

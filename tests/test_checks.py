@@ -164,6 +164,17 @@ def test_a_row_from_another_extraction_is_a_row_problem(tmp_path):
     ]
 
 
+def test_hidden_states_swapped_in_from_another_extraction_is_one_line_that_says_so(tmp_path):
+    out, _ = make_output(tmp_path)
+    for i, ids in enumerate(INPUT_IDS):  # another run's rows: other layers, other prompts
+        other = [t + 100 for t in ids]
+        states = torch.zeros(len(other), len(SLOTS), HIDDEN, dtype=torch.bfloat16)
+        write_hidden_states(out, i, states, other, layer_ids=[3, 9, 20, 30])
+    [(row, said)] = find_problems(out, progress=False)
+    assert row is None and "hidden_states/ holds another extraction's rows" in said, said
+    assert "the manifest was changed" not in said
+
+
 @pytest.mark.parametrize(
     "text, words",
     [

@@ -280,3 +280,23 @@ def test_a_slow_tokenizer_without_generation_marks_is_one_line(tmp_path, tokeniz
         "a slow (Python) tokenizer and a chat template without `{% generation %}` marks",
         f"Error: {err.value}",
     )
+
+
+def test_a_long_conversation_renders_only_the_turns_it_keeps(tokenizer, monkeypatch):
+    """Each assistant turn's span renders the turns before it, so a 4,000-message conversation cost the square
+    of its turns (4 renders of up to all 4,000 messages per turn) though only its first tokens are kept."""
+    from .test_chat_templates import trained_runs
+
+    messages = []
+    for i in range(2000):
+        messages += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i} ok"}]
+    rendered = []
+    real = tokenizer.apply_chat_template
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda m, **kw: rendered.append(len(m)) or real(m, **kw))
+    ids, mask = tokenize_conversation(tokenizer, messages, keep=96)
+    runs = trained_runs(tokenizer, ids[:96], mask[:96])
+    assert 3 <= len(runs) and runs[:-1] == [f"a{i} ok<|im_end|>" for i in range(len(runs) - 1)], runs
+    assert f"a{len(runs) - 1} ok<|im_end|>".startswith(runs[-1])  # the last may be cut at the 96th token
+    # the whole conversation once (its tokens are all counted, for --long-samples), then a few short renders
+    # per kept turn; before, every turn's span rendered all 4,000 messages again
+    assert len(rendered) < 8 * len(runs) and sum(rendered) < 2 * len(messages), (len(rendered), sum(rendered))

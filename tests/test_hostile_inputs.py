@@ -47,6 +47,7 @@ def _cases(tmp, model):
         "foreign",
         "somedir",
         "complete",
+        "broken-manifest",
         "unfinished",
         "no-tokenizer",
         "no-weights",
@@ -55,9 +56,10 @@ def _cases(tmp, model):
         (tmp / name).mkdir()
     (tmp / "afile").write_text("x")
     (tmp / "foreign" / "notes.txt").write_text("mine")
-    (tmp / "complete" / "eagle_extract.json").write_text("{}")
+    (tmp / "broken-manifest" / "eagle_extract.json").write_text('{"format": "speculators-offline",')
     cfg = ExtractConfig(model=str(model), data=Path(DATA), output=tmp / "unfinished")
     identity = make_plan(cfg).identity
+    (tmp / "complete" / "eagle_extract.json").write_text(json.dumps({"identity": {**identity, "data_format": "tokens"}}))
     (tmp / "unfinished" / ".eagle_extract_run.json").write_text(json.dumps({**identity, "aux_layer_ids": [1]}))
     for folder, record in {
         "emptied": "",
@@ -178,6 +180,8 @@ def _cases(tmp, model):
         ("unwritable output", ["--output", "/proc/eagle-extract-out"]),
         ("output folder holding someone else's files", ["--output", str(tmp / "foreign")]),
         ("output of a finished run, another command", ["--output", str(tmp / "complete")]),
+        ("a decoder path that is not a dotted attribute path", ["--decoder-path", "model/layers"]),
+        ("a complete output whose manifest is not JSON", ["--output", str(tmp / "broken-manifest")]),
         ("unfinished run with other settings", ["--output", str(tmp / "unfinished")]),
         ("a run record that a power cut emptied", ["--output", str(tmp / "emptied")]),
         ("a shard's finished record emptied or edited", ["merge", str(tmp / "bad-record")]),
@@ -215,6 +219,7 @@ ELSEWHERE = {  # cases of the doc's table another test meets: it calls assert_do
     "(Python API) an option the CLI does not have": "tests/test_api.py",
     "(Python API) a value the CLI would not offer": "tests/test_api.py",
     "not enough free disk for the estimated output": "tests/test_hostile_inputs.py",
+    "the bundled model's cache folder cannot be written": "tests/test_hostile_inputs.py",
 }
 
 
@@ -275,6 +280,20 @@ def test_every_hostile_input_gets_the_one_line_docs_errors_md_gives(tmp_path, sm
         text = (Path(__file__).parents[1] / test_file).read_text()
         called = re.findall(r"assert_documented\(\s*[\w\"' ]+,\s*([\"'])(.*?)\1", text)
         assert case in documented and case in [words for _, words in called], case
+
+
+def test_an_unwritable_cache_for_the_bundled_model_is_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from eagle_extract.cli import main
+
+    (tmp_path / "a-file").write_text("x")  # root writes through permission bits: a file in the path stops anyone
+    env = {"EAGLE_EXTRACT_CACHE": str(tmp_path / "a-file" / "cache")}
+    result = CliRunner().invoke(main, ["--output", str(tmp_path / "out")], env=env)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 1 and len(lines) == 1, (result.stderr, result.exception)
+    assert_documented(SECTION, "the bundled model's cache folder cannot be written", lines[0])
+    assert not (tmp_path / "out").exists()
 
 
 def test_not_enough_disk_is_refused_before_the_engine(small_disk, smollm2):

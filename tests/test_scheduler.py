@@ -28,13 +28,28 @@ def _twin_rows(pairs: int = 6) -> list[dict]:
     return [{"input_ids": ids} for ids in rows]
 
 
+def _turn_rows(conversations: int = 4) -> list[dict]:
+    """The first k turns of a conversation, four to a batch: each row a strict prefix of the next."""
+    rng = random.Random(11)
+    rows = []
+    for _ in range(conversations):
+        whole = [rng.randrange(100, 40000) for _ in range(160)]
+        rows += [{"input_ids": whole[:k]} for k in (40, 80, 120, 160)]
+    return rows
+
+
 def test_twins_mid_prefill_in_swapped_slots_get_their_own_states(tmp_path_factory, tiny_llama):
+    """Also rows that are each other's prefixes under a --host-memory too small to keep them all open:
+    the prompts that do not fit are run again, and host memory stays within its bound (the code before
+    this bound reached 786,432 bytes here: every open prompt was copied whatever the budget)."""
     data = tmp_path_factory.mktemp("twins") / "twins.jsonl"
-    rows = _twin_rows()
+    rows = _twin_rows() + _turn_rows()
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    limit_gib = 0.0002
     out = extract(
         tmp_path_factory, tiny_llama, data, "--data-format", "tokens", "--dtype", "float32", "--layers", "1,3",
         "--engine-arg", "long_prefill_token_threshold=16", "--max-num-batched-tokens", "64", "--batch-size", "4",
+        "--host-memory", str(limit_gib),
     )  # fmt: skip
     manifest = json.loads((out / "eagle_extract.json").read_text())
     ref = Reference(tiny_llama)
@@ -47,3 +62,7 @@ def test_twins_mid_prefill_in_swapped_slots_get_their_own_states(tmp_path_factor
     assert worst < 1e-4, worst
     capture = manifest["capture"]
     assert capture["ambiguous_runs"] > 0 and capture["redo_rows"] > 0, capture  # the case was reached
+    assert capture["dropped_partials"] > 0, capture
+    per_token = 3 * 128 * 4  # slots x hidden x float32
+    # the documented bound: the budget, one step's rows (64 tokens) and one open prompt alone (160 tokens)
+    assert capture["host_peak_bytes"] <= int(limit_gib * 2**30) + (64 + 160) * per_token, capture

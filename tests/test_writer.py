@@ -110,6 +110,22 @@ def test_background_writer_reports_failures_and_stops_writing(tmp_path, monkeypa
     assert sorted(p.name for p in (tmp_path / "hidden_states").iterdir()) == ["hs_0.safetensors"]
 
 
+def test_an_output_folder_removed_mid_run_is_named_not_an_io_error(tmp_path):
+    import shutil
+
+    out = tmp_path / "out"
+    bg = BackgroundWriter(out, threads=1)
+    bg.submit(0, _rows(torch.zeros(2, 2, 2)), [1, 2])
+    assert bg.drain()["written"] == [0]
+    shutil.rmtree(out)
+    bg.submit(1, _rows(torch.zeros(2, 2, 2)), [1, 2])
+    report = bg.drain()
+    bg.close()
+    assert report["written"] == [] and len(report["errors"]) == 1
+    assert report["errors"][0].startswith(f"{out / 'hidden_states'} disappeared while rows were being written")
+    assert not out.exists()  # nothing made it again
+
+
 def test_host_memory_is_bounded_in_bytes_and_given_back_when_rows_are_written(tmp_path, monkeypatch):
     """Steps take their bytes from the budget; the capture waits for room while rows are in flight,
     and every byte comes back once the writer has written (and dropped) the rows."""
