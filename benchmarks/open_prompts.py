@@ -40,8 +40,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "turns.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        for gib in args.host_memory:
-            out = Path(tmp) / f"out-{gib}"
+        for run, gib in enumerate(args.host_memory):
+            out = Path(tmp) / f"out-{run}"
             cmd = [sys.executable, "-m", "eagle_extract", "--model", args.model, "--data", str(data),
                    "--data-format", "tokens", "--output", str(out), "--batch-size", str(args.batch_size),
                    "--host-memory", str(gib)]  # fmt: skip

@@ -235,8 +235,9 @@ OPTION = {  # every option of the commands that run a model, declared once; each
         type=float,
         default=D.host_memory,
         metavar="GIB",
-        help="Host memory the captured states may hold at once (step buffers, rows waiting for the disk); "
-        "when it is spent the forward pass waits for the writer. [default: an eighth of RAM, 2 to 32 GiB]",
+        help="Host memory the captured states may hold at once (step buffers, open prompts, rows waiting for the "
+        "disk); when it is spent the forward pass waits for the writer, and an open prompt that does not fit is "
+        "run again alone. [default: an eighth of RAM, 2 to 32 GiB]",
     ),
     "stall_timeout": click.option(
         "--stall-timeout",

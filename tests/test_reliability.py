@@ -267,6 +267,12 @@ def test_one_output_folder_through_a_failure_a_rival_a_dead_worker_a_power_cut_a
     assert_documented(RUN, case, proc.stderr.strip().splitlines()[-1])
     assert "Traceback" in (out / LOG).read_text()  # the whole story is in the run's log
 
+    # a --decoder-path naming nothing is found only once the model is loaded: the user's line, not vLLM's
+    proc = run_cli(*args, "--max-samples", "6", "--decoder-path", "no.such.path", check=False)
+    case = "`--decoder-path` names no module with decoder layers (found only once the engine has loaded the model)"
+    assert proc.returncode == 1 and not (out / RUN_FILE).exists(), proc.stderr
+    assert_documented(RUN, case, proc.stderr.strip().splitlines()[-1])
+
     # a second run into the folder is refused while the first one runs ...
     first = _start(args, tmp_path / "first.log")
     try:
@@ -325,12 +331,13 @@ def test_one_output_folder_through_a_failure_a_rival_a_dead_worker_a_power_cut_a
     assert "is already complete" in again.stdout and again.stdout.splitlines()[-1].startswith("train on it:")
 
     # --overwrite keeps the complete output, and the user's own files, until its replacement is complete:
-    # a scheduler's SIGTERM stops the replacement, which the same command then resumes
+    # a Ctrl-C stops the replacement (the engine's processes may die of it first: still the interrupt, not
+    # the engine's failure), and the same command then resumes it
     (out / "notes.txt").write_text("mine")
     replacing = _start([*args, "--overwrite"], tmp_path / "replacing.log")
     staged = out / REPLACEMENT / "hidden_states"
     _wait_for(lambda: list(staged.glob("hs_*.safetensors")))
-    replacing.send_signal(signal.SIGTERM)  # the driver only, as a batch scheduler would
+    os.killpg(replacing.pid, signal.SIGINT)  # Ctrl-C in a terminal: the engine's processes get it too
     _finish(replacing, "SIGINT (Ctrl-C) or SIGTERM")
     assert replacing.returncode == 1
     assert (out / REPLACEMENT / RUN_FILE).exists() and verify(out).ok and (out / "notes.txt").read_text() == "mine"
