@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from .fp8 import to_fp8
-from .hostmem import ByteBudget, Held, Rows, default_budget, pinned_bytes
+from .hostmem import ByteBudget, Held, Rows, pinned_bytes
 from .matching import RequestMatcher, segments
 from .model_nav import DecoderStack
 from .stages import stage_slots
@@ -103,7 +103,7 @@ class StepCapture:
         stack: DecoderStack,
         aux_ids: list[int],
         on_complete: Callable[[int, Rows, list[int]], None],
-        budget: ByteBudget | None = None,
+        budget: ByteBudget,
         fp8: bool = False,
         ids_from: torch.nn.Module | None = None,
     ) -> None:
@@ -118,7 +118,7 @@ class StepCapture:
             raise RuntimeError(f"layers {stack.start}-{stack.end} hold no slot; install no capture on this stage")
         self.ids_from = ids_from
         self.on_complete = on_complete
-        self.budget = budget or ByteBudget(default_budget())
+        self.budget = budget
         self.fp8 = fp8
         self.matcher = RequestMatcher()
         self.stats = CaptureStats()

@@ -21,7 +21,6 @@ from .config import ExtractConfig
 from .engine import cpu_thread_binding
 from .errors import ExtractError
 from .formats import read_rows
-from .hostmem import default_budget
 from .interrupts import stop_on_signals
 from .lock import REPLICA_ENV
 from .output import (
@@ -105,8 +104,7 @@ def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log, lock_
     progress_files = [output / SHARDS_DIR / f".{k}-of-{dp}.progress" for k in range(dp)]
     try:
         for k, part in enumerate(slices):
-            share = (cfg.host_memory or default_budget() / 2**30) / dp  # the replicas share --host-memory
-            config = replace(cfg, shard=f"{k}/{dp}", host_memory=share, overwrite=False).record()
+            config = replace(cfg, shard=f"{k}/{dp}", overwrite=False).record()  # each takes 1/dp of --host-memory
             cores = part.get("cores")
             with open(output / SHARDS_DIR / f"{k}-of-{dp}.log", "w") as logfile:  # the child keeps its own handle
                 procs.append(

@@ -20,7 +20,7 @@ from .data import read_records
 from .engine import start_engine
 from .errors import ExtractError, engine_errors
 from .formats import BadRow
-from .hostmem import default_budget
+from .capture_spec import CaptureSpec, host_bytes_per_rank
 from .model_nav import refuse_unfound_decoder
 from .plan import Plan, make_plan
 from .runlog import RunLog, progress, share_progress
@@ -354,10 +354,16 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
     from vllm import SamplingParams, TokensPrompt
 
     cfg, folder = plan.cfg, shards.rows_folder(plan.cfg.output, plan.shard)
-    # --host-memory is this job's on this machine: its pipeline stages' writing ranks share it
-    host_memory = (int(cfg.host_memory * 2**30) if cfg.host_memory else default_budget()) // cfg.pp
-    args = (str(folder), plan.aux_ids, cfg.decoder_path, cfg.fp8, cfg.legacy, cfg.writer_threads, host_memory)
-    installed = llm.collective_rpc("eagle_install", args=args)
+    spec = CaptureSpec(
+        str(folder),
+        tuple(plan.aux_ids),
+        host_bytes_per_rank(cfg.host_memory, cfg.dp * cfg.pp),  # a --dp replica's cfg keeps --dp
+        cfg.decoder_path,
+        cfg.fp8,
+        cfg.legacy,
+        cfg.writer_threads,
+    )
+    installed = llm.collective_rpc("eagle_install", args=(spec.as_rpc(),))
     refuse_unfound_decoder(installed)
     writers = [w for w in installed if w["writes"]]  # in rank order, as eagle_drain reports them
     try:

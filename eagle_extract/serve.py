@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException
 
 from .config import ExtractConfig
 from .errors import ExtractError, engine_errors
-from .hostmem import default_budget
+from .capture_spec import CaptureSpec, host_bytes_per_rank
 from .model_nav import refuse_unfound_decoder
 from .plan import model_layers
 from .preflight import check_options, check_weights, load_tokenizer
@@ -524,12 +524,19 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
 
         watch.expect_engine()
         llm = start_engine(cfg, max_model_len)
-        host_memory = int(cfg.host_memory * 2**30) if cfg.host_memory else default_budget()
         llm.collective_rpc("eagle_heartbeat", args=(str(watch.heartbeat), 2.0))
         watch.start()
         watch.pause()
-        args = (str(folder), aux_ids, cfg.decoder_path, cfg.fp8, False, cfg.writer_threads, host_memory)
-        installed = llm.collective_rpc("eagle_install", args=args, kwargs={"durable": False})
+        spec = CaptureSpec(
+            str(folder),
+            tuple(aux_ids),
+            host_bytes_per_rank(cfg.host_memory, cfg.pp),
+            cfg.decoder_path,
+            cfg.fp8,
+            writer_threads=cfg.writer_threads,
+            durable=False,
+        )
+        installed = llm.collective_rpc("eagle_install", args=(spec.as_rpc(),))
         refuse_unfound_decoder(installed)
         if not any(w["writes"] for w in installed):
             raise ExtractError("no worker installed the capture; report this as a bug with the run's log")

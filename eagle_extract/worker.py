@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from .capture import StepCapture
-from .hostmem import ByteBudget, default_budget
+from .capture_spec import CaptureSpec
+from .hostmem import ByteBudget
 from .model_nav import DecoderNotFound, find_decoder
 from .stages import part_root, stage_slots
 from .writer import BackgroundWriter
@@ -28,29 +29,20 @@ def _tp_rank() -> int:
 class HiddenStateExtension:
     """Per-worker capture state lives in `self._eagle` (vLLM never calls an extension's __init__)."""
 
-    def eagle_install(
-        self,
-        output: str,
-        aux_ids: list[int],
-        decoder_path: str | None = None,
-        fp8: bool = False,
-        legacy: bool = False,
-        writer_threads: int | None = None,
-        host_memory: int | None = None,
-        durable: bool = True,
-    ) -> dict:
+    def eagle_install(self, spec: dict) -> dict:
         """Hook the decoder on the one rank per TP group that writes; other ranks stay hook-free.
 
-        A pipeline stage hooks only its own layers and, unless it runs them all, writes its slots
-        as part files (stages.py) that the driver joins, in the requested format, into each row's file.
-        With `fp8` a whole model's states are quantised on its device; part files are joined, then
-        quantised, on the host.  `host_memory` bytes (default: hostmem.default_budget()) bound the
-        captured states held in host memory; `durable` files are fsynced (not the server's spool's).
-        Every file records its slots' layer ids, taken from `aux_ids` and the layer count of the model
-        loaded here, for `verify` to hold the manifest to."""
+        `spec` is a capture_spec.CaptureSpec as a dict.  A pipeline stage hooks only its own layers and,
+        unless it runs them all, writes its slots as part files (stages.py) that the driver joins, in the
+        requested format, into each row's file.  With `fp8` a whole model's states are quantised on its
+        device; part files are joined, then quantised, on the host.  Every file records its slots' layer
+        ids, taken from `aux_ids` and the layer count of the model loaded here, for `verify` to hold the
+        manifest to."""
+        spec = CaptureSpec.from_rpc(spec)
+        aux_ids, output = list(spec.aux_ids), spec.output
         model = self.get_model()
         try:
-            stack = find_decoder(model, decoder_path)
+            stack = find_decoder(model, spec.decoder_path)
         except DecoderNotFound as exc:  # the user's to fix: said by the driver, not as the engine's failure
             return {"decoder_not_found": str(exc), "writes": False}
         slots = stage_slots(aux_ids, stack.num_layers, stack.start, stack.end)
@@ -72,14 +64,14 @@ class HiddenStateExtension:
             layer_ids = [(aux_ids + [stack.num_layers])[k] for k in slots]  # recorded in every file it writes
             writer = BackgroundWriter(
                 folder,
-                fp8=fp8 and whole,
-                legacy=legacy and whole,
-                threads=writer_threads,
+                fp8=spec.fp8 and whole,
+                legacy=spec.legacy and whole,
+                threads=spec.writer_threads,
                 layer_ids=layer_ids,
-                durable=durable,
+                durable=spec.durable,
             )
-            budget = ByteBudget(host_memory or default_budget())
-            capture = StepCapture(stack, aux_ids, writer.submit, budget, fp8=fp8 and whole, ids_from=model)
+            budget = ByteBudget(spec.host_bytes)
+            capture = StepCapture(stack, aux_ids, writer.submit, budget, fp8=spec.fp8 and whole, ids_from=model)
             capture.install()
             self._eagle = (capture, writer)
         return {**info, "writes": writes}

@@ -154,7 +154,9 @@ def capture_vs_synchronous(
     def keep(i, rows, ids):
         got[i] = (rows.states, rows.scales)
 
-    capture = StepCapture(stack, aux, keep, budget, fp8=fp8)
+    from eagle_extract.hostmem import ByteBudget
+
+    capture = StepCapture(stack, aux, keep, budget or ByteBudget(2**30), fp8=fp8)
     capture.install()
     sync: list[list[torch.Tensor]] = []  # per step: one [N, H] host tensor per slot
 

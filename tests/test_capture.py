@@ -59,6 +59,7 @@ def test_rows_the_engine_ran_without_a_match_and_steps_without_token_ids_are_cou
     """Once the engine has run a batch (settle), its rows still waiting are unmatched and no longer waited
     for; a step whose token-id hook never fired is a dropped step, its tokens counted."""
     from eagle_extract.capture import StepCapture
+    from eagle_extract.hostmem import ByteBudget
     from eagle_extract.model_nav import DecoderStack
 
     from .common import _ToyLayer
@@ -67,7 +68,7 @@ def test_rows_the_engine_ran_without_a_match_and_steps_without_token_ids_are_cou
     embed, blocks = torch.nn.Embedding(100, 16), torch.nn.ModuleList(_ToyLayer(16) for _ in range(3))
     written = []
     capture = StepCapture(
-        DecoderStack("toy", blocks, blocks, 0, 3, embed), [0, 1], lambda i, rows, ids: written.append(i)
+        DecoderStack("toy", blocks, blocks, 0, 3, embed), [0, 1], lambda i, rows, ids: written.append(i), ByteBudget(2**30)
     )
     capture.install()
 

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_extract.capture import StepCapture
+from eagle_extract.hostmem import ByteBudget
 from eagle_extract.model_nav import find_decoder
 from eagle_extract.stages import PARTS_DIR, PartJoiner, check_layout, part_root, stage_slots
 from eagle_extract.writer import BackgroundWriter, hidden_state_path
@@ -80,7 +81,7 @@ def run_pipeline(tmp, bounds, aux, fp8=False, masks=None, device_fp8=False):
         writer = BackgroundWriter(out if whole else info["part"], fp8=fp8 and whole, legacy=masks is not None and whole)
         if masks is not None and whole:
             writer.expect_loss_masks(list(masks.items()))
-        capture = StepCapture(stack, aux, writer.submit, fp8=device_fp8 and whole, ids_from=stage)
+        capture = StepCapture(stack, aux, writer.submit, ByteBudget(2**30), fp8=device_fp8 and whole, ids_from=stage)
         capture.install()
         capture.expect(list(enumerate(prompts)))
         writers.append((capture, writer))
