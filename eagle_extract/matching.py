@@ -8,7 +8,7 @@ ids and positions alone; where those cannot decide whose states a run holds, the
 from __future__ import annotations
 
 import bisect
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +53,17 @@ def _extended(keys: list[tuple[int, ...]], tokens: tuple[int, ...], strictly: bo
     return False
 
 
+def _cut(chunks: list, length: int) -> list:
+    """The leading chunks that hold the first `length` states, the last one cut to fit."""
+    kept, have = [], 0
+    for chunk in chunks:
+        if have + len(chunk) >= length:
+            return kept + [chunk[: length - have]] if length - have < len(chunk) else kept + [chunk]
+        kept.append(chunk)
+        have += len(chunk)
+    return kept
+
+
 class RequestMatcher:
     """Binds captured runs of tokens to the expected requests whose states they are, or to none.
 
@@ -75,6 +86,7 @@ class RequestMatcher:
         self._waiting: list[tuple[int, ...]] = []  # their prompts, sorted: those extending T follow T
         self._running: list[tuple[int, ...]] = []  # every prompt announced and not settled, sorted
         self._announced: dict[int, tuple[int, ...]] = {}
+        self._lengths: Counter[int] = Counter()  # the waiting rows' prompt lengths
         self._open: list[_PartialPrompt] = []
         self._untrusted = False  # an ambiguous run since the last settle
         self.redo: list[int] = []  # rows completed from a tainted partial prompt: run them again
@@ -87,6 +99,7 @@ class RequestMatcher:
         key = tuple(token_ids)
         self._whole[key].append(_Request(index, key))
         bisect.insort(self._waiting, key)
+        self._lengths[len(key)] += 1
         bisect.insort(self._running, key)
         self._announced[index] = key
 
@@ -104,7 +117,7 @@ class RequestMatcher:
             for r in waiting:
                 if r.index in indices:
                     (redo if self._untrusted else lost).append(r.index)
-                    del self._waiting[bisect.bisect_left(self._waiting, key)]
+                    self._forget_waiting(key)
             if kept:
                 self._whole[key] = kept
             else:
@@ -116,17 +129,36 @@ class RequestMatcher:
         self._untrusted = False
         return sorted(lost), sorted(redo)
 
+    def retire(self, indices: set[int]) -> None:
+        """The engine has run these rows to their end while others still run (a server's continuous
+        batching; every step before this was added): none of their tokens will come again, so no reading
+        leads towards them, and the partial prompts only they extended close.  Those still waiting stay
+        waiting until `settle`, which only then, with the engine idle, can say they were never matched."""
+        for index in indices:
+            if (key := self._announced.pop(index, None)) is not None:
+                del self._running[bisect.bisect_left(self._running, key)]
+        self.prune()
+
+    @property
+    def untrusted(self) -> bool:
+        """An ambiguous run since the last settle: until then every row completed from a new partial prompt
+        is run again, so a server stops taking new rows and lets the engine run empty."""
+        return self._untrusted
+
     def _starts(self, pos: int) -> list[_PartialPrompt | None]:
         """What a piece starting at position `pos` can continue: nothing (a new prompt) at 0, else the open
-        partial prompts of `pos` tokens, one of each distinct token list."""
+        partial prompts of `pos` tokens, one of each distinct token list: the one whose states are kept and
+        trusted first (one that dropped its states, when no waiting row needed them, may be needed by a row
+        announced since)."""
         if pos == 0:
             return [None]
-        seen, found = set(), []
+        best: dict[tuple[int, ...], _PartialPrompt] = {}
         for s in self._open:
-            if len(s.tokens) == pos and (key := tuple(s.tokens)) not in seen:
-                seen.add(key)
-                found.append(s)
-        return found
+            if len(s.tokens) == pos:
+                key, rank = tuple(s.tokens), (s.chunks is None, s.tainted)
+                if key not in best or rank < (best[key].chunks is None, best[key].tainted):
+                    best[key] = s
+        return list(best.values())
 
     def _read(self, tokens: list[int], start_pos: int):
         """(one reading of the run, whether another gives some position other tokens before it), or (None,
@@ -217,6 +249,10 @@ class RequestMatcher:
         return done, True
 
     def _take(self, tokens: list[int], start: _PartialPrompt | None, chunk) -> list:
+        """Extend a partial prompt (or open one) by a piece; every waiting row whose prompt it now passes
+        through or ends at is served from its states up to there (causal attention: a row admitted after
+        another prompt's chunk took it past its length is served by that chunk)."""
+        before = 0 if start is None else len(start.tokens)
         if start is None:
             partial = _PartialPrompt(list(tokens), [chunk], self._untrusted)
         else:
@@ -224,25 +260,34 @@ class RequestMatcher:
             partial.tokens += tokens
             if partial.chunks is not None:
                 partial.chunks.append(chunk)
-        key = tuple(partial.tokens)
         done = []
-        waiting = self._whole.get(key)
-        if waiting and (partial.chunks is not None or partial.tainted):
+        for length in sorted(n for n in self._lengths if before < n <= len(partial.tokens)):
+            key = tuple(partial.tokens[:length])
+            waiting = self._whole.get(key)
+            if not waiting or (partial.chunks is None and not partial.tainted):
+                continue
             req = waiting.popleft()
             if not waiting:
                 del self._whole[key]
-            del self._waiting[bisect.bisect_left(self._waiting, key)]
+            self._forget_waiting(key)
             if partial.tainted:
                 self.redo.append(req.index)
             else:
-                self.split_requests += len(partial.chunks) > 1
-                done.append((req, list(partial.chunks)))
-        keep = _extended(self._running, key, strictly=True)
+                chunks = list(partial.chunks) if length == len(partial.tokens) else _cut(partial.chunks, length)
+                self.split_requests += len(chunks) > 1
+                done.append((req, chunks))
+        keep = _extended(self._running, tuple(partial.tokens), strictly=True)
         if keep and start is None:
             self._open.append(partial)
         elif not keep and start is not None:
             self._open.remove(partial)
         return done
+
+    def _forget_waiting(self, key: tuple[int, ...]) -> None:
+        del self._waiting[bisect.bisect_left(self._waiting, key)]
+        self._lengths[len(key)] -= 1
+        if not self._lengths[len(key)]:
+            del self._lengths[len(key)]
 
     def take_redo(self) -> list[int]:
         """The rows completed from tainted partial prompts since the last call."""

@@ -134,15 +134,20 @@ def _prompts(rng) -> list[list[int]]:
     return prompts
 
 
-def _schedule(rng, prompts: list[list[int]], rows: list[int]):
+def _schedule(rng, prompts: list[list[int]], rows: list[int], admitted: list | None = None, finished=None):
     """A scheduler as vLLM's can behave: a token budget per step, every running prompt's chunk capped by a
     threshold, new prompts in free slots, the step's order shuffled (condense), prompts split anywhere.
-    Yields each step as (token ids, positions, owners): a flat batch, and who each token really is."""
+    Yields each step as (token ids, positions, owners): a flat batch, and who each token really is; the
+    rows it started and finished are appended to `admitted` and `finished` when given."""
     budget, threshold, slots = rng.randint(1, 12), rng.randint(1, 6), rng.randint(1, 5)
     waiting, running = list(rows), {}  # row -> tokens done
     while waiting or running:
         while waiting and len(running) < slots:
-            running[waiting.pop(0)] = 0
+            running[waiting[0]] = 0
+            if admitted is not None:
+                admitted.append(waiting.pop(0))
+            else:
+                waiting.pop(0)
         order = list(running)
         rng.shuffle(order)
         ids, pos, owners, left = [], [], [], budget
@@ -158,6 +163,8 @@ def _schedule(rng, prompts: list[list[int]], rows: list[int]):
             left -= take
             if running[row] == len(prompts[row]):
                 del running[row]
+                if finished is not None:
+                    finished.append(row)
         yield ids, pos, owners
 
 
@@ -214,3 +221,41 @@ def test_no_schedule_binds_a_row_to_another_rows_states():
         ambiguous += matcher.ambiguous_runs
         dropped += matcher.dropped_partials
     assert ambiguous > 0 and redone > 0 and dropped > 0  # the generator reaches both cases
+
+
+def test_rows_taken_and_retired_one_by_one_while_others_run_are_never_bound_wrong():
+    """A server's continuous batching: each row is announced when the engine takes it and retired as soon
+    as its last token has run, while others are mid-prefill; the rows still waiting are settled only when
+    the engine has run empty, and host memory runs out for open prompts in half the cases.  No row is ever
+    bound to states of other tokens; a row not bound is run again alone (the server also runs the rare
+    row again whose states a partial prompt had dropped before it was announced) and then bound right."""
+    import random
+
+    redone = ambiguous = 0
+    for case in range(3000):
+        rng = random.Random(10_000 + case)
+        prompts = _prompts(rng)
+        matcher, bound, admitted, finished = RequestMatcher(), {}, [], []
+        room = 1.0 if case % 2 else 0.7
+        for ids, pos, owners in _schedule(rng, prompts, list(range(len(prompts))), admitted, finished):
+            for row in admitted:  # announced before the step that first runs it, as the server does
+                matcher.expect(row, prompts[row])
+            admitted.clear()
+            for offset, length, start in segments(torch.tensor(pos, dtype=torch.int64)):
+                done, _ = matcher.add(ids[offset : offset + length], start, owners[offset : offset + length])
+                bound.update((req.index, [o for chunk in chunks for o in chunk]) for req, chunks in done)
+            matcher.prune()
+            matcher.copy_open_chunks(lambda chunk, alone: chunk if alone or rng.random() < room else None)
+            matcher.retire(set(finished))
+            finished.clear()
+        lost, redo = matcher.settle(set(range(len(prompts))))
+        again = lost + redo + matcher.take_redo()
+        assert _wrong(prompts, bound) == [], (case, prompts)
+        assert sorted(list(bound) + again) == list(range(len(prompts))), (case, prompts, bound, again)
+        assert not matcher._open and not matcher._running and not matcher._announced
+        for row in again:
+            alone, more = _feed(matcher, prompts, [row], rng)
+            assert more == [] and _wrong(prompts, alone) == [] and list(alone) == [row], (case, prompts)
+        redone += len(again)
+        ambiguous += matcher.ambiguous_runs
+    assert ambiguous > 0 and redone > 0
