@@ -83,6 +83,14 @@ class _Settle:
     rows: list[int]
 
 
+@dataclass
+class _Retire:
+    """Queued behind every step of these rows, which the engine has finished while others still run: the
+    matcher stops reading runs towards them (RequestMatcher.retire)."""
+
+    rows: list[int]
+
+
 class StepCapture:
     """Hooks on one worker's decoder stack; calls `on_complete(index, rows, token_ids)` with a request's
     `hostmem.Rows` ([T, K, H] states, K being the slots this pipeline stage holds, and with `fp8` their
@@ -269,6 +277,11 @@ class StepCapture:
                 self._settle(step.rows)
                 self._steps.task_done()
                 continue
+            if isinstance(step, _Retire):
+                with self.lock:
+                    self.matcher.retire(set(step.rows))
+                self._steps.task_done()
+                continue
             try:
                 if step.ready is not None:
                     step.ready.synchronize()
@@ -344,6 +357,17 @@ class StepCapture:
             rows, self._unsettled = self._unsettled, []
         if rows:
             self._steps.put(_Settle(rows))
+
+    def retire(self, rows: list[int]) -> None:
+        """Mark that the engine has finished these rows while others may still run (the server's continuous
+        batching); they are settled, like every row announced, at the next `settle`."""
+        if rows:
+            self._steps.put(_Retire(list(rows)))
+
+    @property
+    def untrusted(self) -> bool:
+        with self.lock:
+            return self.matcher.untrusted
 
     def counts(self) -> dict:
         """The stats as they stand, without waiting for the assembler."""

@@ -301,9 +301,10 @@ def _watched(llm, watch: EngineWatch, t0: float) -> float:
     return time.perf_counter() - t0
 
 
-def drain_workers(llm, wait: bool) -> dict:
-    """Collect the writing workers' reports; `written_by` lists each writer's new rows, in rank order."""
-    reports = [r for r in llm.collective_rpc("eagle_drain", args=(wait,)) if r is not None]
+def drain_workers(llm, wait: bool, finished: list[int] | None = None) -> dict:
+    """Collect the writing workers' reports; `written_by` lists each writer's new rows, in rank order.
+    `finished`: only these rows have run to their end (worker.eagle_drain), not every row announced."""
+    reports = [r for r in llm.collective_rpc("eagle_drain", args=(wait, finished)) if r is not None]
     errors = [e for r in reports for e in r["errors"]]
     if errors:
         raise ExtractError(errors[0])
@@ -311,6 +312,7 @@ def drain_workers(llm, wait: bool) -> dict:
         "written_by": [r["written"] for r in reports],
         "redo": sorted({i for r in reports for i in r["redo"]}),  # every pipeline stage reads the same steps
         "lost": sorted({i for r in reports for i in r["lost"]}),
+        "untrusted": any(r["untrusted"] for r in reports),
         "stats": reports[0]["stats"] if reports else {},
         # every pipeline stage settles every row: the stage that lost most tells
         "matching": [max((r["stats"].get(k, 0) for r in reports), default=0) for k in MATCH_COUNTS],

@@ -5,9 +5,9 @@ The OpenAI-style routes speculators 0.9's loader calls (`GET /v1/models`, `POST 
 file in the spool, in the offline layout (`hidden_states` [T, K, H], `token_ids`; FP8 with its scales),
 complete before the answer goes out, so the reader's lock wait finds no lock.  The reader deletes it.
 
-One engine thread batches whatever requests are waiting into one `generate` call, through the same
-capture core as extraction (worker extension, hooks, matcher, writer); rows the matcher cannot bind
-for sure are run again alone.  The spool is bounded in bytes: a request waits for room, and files a
+One engine thread feeds the requests into the engine's running batch as they arrive (continuous
+batching), through the same capture core as extraction (worker extension, hooks, matcher, writer); rows
+the matcher cannot bind for sure are run again alone.  The spool is bounded in bytes: a request waits for room, and files a
 trainer never collected are removed after `--spool-ttl` seconds and at shutdown.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import os
 import shutil
 import signal
 import socket
@@ -23,7 +24,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -166,10 +167,19 @@ class _Job:
     nbytes: int
     future: Future
     index: int = -1
+    followers: list = field(default_factory=list)  # requests for the same prompt, given links to its file
+
+
+STALL_S = 5.0  # a row the engine finished that has no file after this long: stop taking rows, settle
 
 
 class EngineLoop(threading.Thread):
-    """Batches the waiting requests into `generate` calls; each job's future gets its file's path."""
+    """Continuous batching: requests join the engine's running batch as they arrive, through the engine
+    under vLLM's `LLM` (`add_request`, `step`), and each is answered as soon as its file is written.
+    Identical prompts in flight run once; the others get a hard link to its file (a run serves the first
+    row waiting for its tokens, so two in flight could not be told apart).  When the matcher distrusts a
+    run, or a finished row has no file after STALL_S, no new request is taken until the engine has run
+    empty; then every row announced is settled, and those left are run again alone, once."""
 
     def __init__(self, llm, spool: Spool, batch_size: int, watch: EngineWatch, note) -> None:
         super().__init__(daemon=True, name="eagle-serve-engine")
@@ -181,8 +191,13 @@ class EngineLoop(threading.Thread):
         self.failed: str | None = None
         self._numbers = itertools.count()
         self.rows = self.tokens = self.redone = 0
-        self.calls, self.call_s, self.drain_s = 0, 0.0, 0.0  # engine calls, and seconds in them and in drains
-        self._parked: set[_Job] = set()  # taken out of flight to run again alone: failed too if the loop fails
+        self.steps, self.step_s, self.drain_s = 0, 0.0, 0.0  # engine steps, and seconds in them and in drains
+        self._inflight: dict[int, _Job] = {}  # by row number: announced, not yet answered
+        self._leaders: dict[tuple[int, ...], _Job] = {}  # the job running each prompt in flight
+        self._running: set[int] = set()  # row numbers the engine has not finished
+        self._finished_at: dict[int, float] = {}  # finished by the engine, no file yet
+        self._parked: list[_Job] = []  # to run again alone once the engine is empty
+        self._hold = False  # take no new request until the engine is empty
 
     def submit(self, ids: list[int], nbytes: int) -> Future:
         if self.failed:
@@ -192,29 +207,26 @@ class EngineLoop(threading.Thread):
         return job.future
 
     def run(self) -> None:
-        import queue
-
-        inflight: dict[int, _Job] = {}
+        engine = self.llm.llm_engine
         try:
-            while not self.stopping.is_set() or not self.jobs.empty():
-                try:
-                    first = self.jobs.get(timeout=0.2)
-                except queue.Empty:
+            while not (self.stopping.is_set() and self.jobs.empty() and not self._inflight and not self._parked):
+                if not self._hold:
+                    self._admit(engine)
+                finished = self._step(engine) if self._running else []
+                if not self._inflight and not self._parked:
+                    if not self._running:
+                        self.watch.pause()  # idle: no time limit until the next request
                     continue
-                batch = [first]
-                while len(batch) < self.batch_size:
-                    try:
-                        batch.append(self.jobs.get_nowait())
-                    except queue.Empty:
-                        break
-                self.watch.beat()
-                self._generate(batch, inflight, wait=self.jobs.empty())
-                if self.jobs.empty():
-                    self.watch.pause()  # idle: no time limit until the next request
+                if self._running:
+                    self._answer(self._drain(False, finished))
+                else:  # the engine is empty: settle every row announced, run again alone what is left
+                    self._answer(self._drain(True, None))
+                    self._run_alone(engine)
+                    self._hold = False
         except BaseException as exc:
             self.failed = str(exc) if isinstance(exc, ExtractError) else f"{type(exc).__name__}: {exc}"
             self.note(f"engine loop failed: {self.failed}")
-            for job in [*inflight.values(), *self._parked, *self._queued()]:
+            for job in [*self._inflight.values(), *self._parked, *self._queued()]:
                 self._fail(job, BadRequest(f"the engine failed: {self.failed}", status=503))
 
     def _queued(self) -> list[_Job]:
@@ -227,94 +239,139 @@ class EngineLoop(threading.Thread):
             except queue.Empty:
                 return jobs
 
-    def _call(self, jobs: list[_Job], inflight: dict[int, _Job]) -> None:
-        """One engine call for `jobs`, each under a fresh row number (a row run again gets a new one)."""
+    def _admit(self, engine) -> None:
+        """Take the waiting requests into the engine, up to --batch-size rows in it at once; wait a little
+        for one when there is nothing else to do."""
+        import queue
+
+        jobs = []
+        idle = not self._running and not self._inflight
+        while len(self._running) + len(jobs) < self.batch_size:
+            try:
+                jobs.append(self.jobs.get(timeout=0.2) if idle and not jobs else self.jobs.get_nowait())
+            except queue.Empty:
+                break
+        fresh = []
+        for job in jobs:
+            leader = self._leaders.get(key := tuple(job.ids))
+            if leader is not None:
+                leader.followers.append(job)
+            else:
+                self._leaders[key] = job
+                fresh.append(job)
+        if fresh:
+            self.watch.beat()
+            self._start(engine, fresh)
+
+    def _start(self, engine, jobs: list[_Job]) -> None:
+        """Announce `jobs` to the workers, then hand them to the engine, each under a fresh row number."""
         from vllm import SamplingParams, TokensPrompt
 
         for job in jobs:
             job.index = next(self._numbers)
-            inflight[job.index] = job
-            self._parked.discard(job)
+            self._inflight[job.index] = job
         self.llm.collective_rpc("eagle_expect", args=([(job.index, job.ids) for job in jobs], None))
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        t0 = time.perf_counter()
-        try:
-            self.llm.generate([TokensPrompt(prompt_token_ids=job.ids) for job in jobs], params, use_tqdm=False)
-        except ValueError as exc:  # vLLM's own check refused a prompt: that request fails, the server goes on
-            for job in jobs:
-                inflight.pop(job.index)
-            if len(jobs) > 1:  # which one: each alone
-                for job in jobs:
-                    self._call([job], inflight)
-                return
-            said = (str(exc).splitlines() or [""])[0][:300]
-            self._fail(jobs[0], BadRequest(f"vLLM refused the prompt: {said}"))
-        self.calls += 1
-        self.call_s += time.perf_counter() - t0
-        self.watch.beat()
+        for job in jobs:
+            try:
+                engine.add_request(str(job.index), TokensPrompt(prompt_token_ids=job.ids), params)
+            except ValueError as exc:  # vLLM's own check refused the prompt: that request fails, the rest go on
+                said = (str(exc).splitlines() or [""])[0][:300]
+                self._fail(self._inflight.pop(job.index), BadRequest(f"vLLM refused the prompt: {said}"))
+                continue
+            self._running.add(job.index)
 
-    def _drain(self, wait: bool) -> dict:
+    def _step(self, engine) -> list[int]:
+        """One engine step; returns the row numbers it finished."""
         t0 = time.perf_counter()
-        got = drain_workers(self.llm, wait=wait)
+        outputs = engine.step()
+        self.step_s += time.perf_counter() - t0
+        self.steps += 1
+        self.watch.beat()
+        finished = [int(str(o.request_id).partition("-")[0]) for o in outputs if o.finished]  # vLLM adds a suffix
+        self._running.difference_update(finished)
+        now = time.monotonic()
+        self._finished_at.update((i, now) for i in finished if i in self._inflight)
+        if any(now - at > STALL_S for at in self._finished_at.values()):
+            self._hold = True  # a finished row without a file: settle once the engine is empty
+        return finished
+
+    def _drain(self, wait: bool, finished: list[int] | None) -> dict:
+        t0 = time.perf_counter()
+        got = drain_workers(self.llm, wait, finished)
         self.drain_s += time.perf_counter() - t0
+        if got["untrusted"]:
+            self._hold = True
         return got
 
+    def _run_alone(self, engine) -> None:
+        """Each row left after a settle runs again alone: an engine of one prompt cannot confuse it.  A row
+        that fails alone too is failed to its client."""
+        again, self._parked = self._parked, []
+        for job in again:
+            self.redone += 1
+            self._start(engine, [job])
+            while self._running:
+                self._step(engine)
+            got = self._drain(True, None)
+            self._answer(got, final=True)
+        self._finished_at.clear()
+
     def summary(self) -> str:
-        mean = self.rows / self.calls if self.calls else 0
-        return (f"{self.rows} rows served ({self.tokens:,} tokens) in {self.calls} engine calls ({mean:.1f} rows "
-                f"each; {self.call_s:.1f} s in the calls, {self.drain_s:.1f} s waiting for the workers), "
+        mean = self.tokens / self.steps if self.steps else 0
+        return (f"{self.rows} rows served ({self.tokens:,} tokens) in {self.steps} engine steps ({mean:,.0f} tokens "
+                f"each; {self.step_s:.1f} s in the steps, {self.drain_s:.1f} s waiting for the workers), "
                 f"{self.redone} run again alone")  # fmt: skip
 
-    def _generate(self, batch: list[_Job], inflight: dict[int, _Job], wait: bool) -> None:
-        """One engine call; with `wait`, every row in flight is settled after it: answered or failed.  A row
-        the matcher could not bind for sure runs again alone, once the call that confused it is settled."""
-        self._call(batch, inflight)
-        redo = self._settle(self._drain(wait), inflight)
-        if redo and not wait:
-            redo += self._settle(self._drain(True), inflight)
-            wait = True
-        for _ in range(2):  # alone, a row cannot be ambiguous; twice is a bug, reported to its client
-            if not redo:
-                break
-            later: list[_Job] = []
-            for job in redo:
-                self.redone += 1
-                self._call([job], inflight)
-                self._settle(self._drain(False), inflight, later)  # its own settle marker
-            redo = self._settle(self._drain(True), inflight, later)
-        for job in redo:
-            self._parked.discard(job)
-            self._fail(job, BadRequest("the prompt's states could not be told apart from another's", status=500))
-        if wait:  # every row is settled now: one still in flight got no states
-            for index in list(inflight):
-                self._fail(inflight.pop(index), BadRequest("no states were captured for this prompt", status=500))
-
-    def _settle(self, got: dict, inflight: dict[int, _Job], redo: list | None = None) -> list[_Job]:
-        """Answer the rows written, fail the rows lost; returns the jobs to run again (taken out of flight),
-        or adds them to `redo` when given."""
+    def _answer(self, got: dict, final: bool = False) -> None:
+        """Answer the rows written; rows settled without a file, and rows the matcher handed back, are run
+        again alone at the next settle (`final`: this was that run, so they fail)."""
         for index in (i for rows in got["written_by"] for i in rows):
-            job = inflight.pop(index, None)
+            job = self._inflight.pop(index, None)
+            self._finished_at.pop(index, None)
             if job is None:
                 continue
-            path = hidden_state_path(self.spool.root, index).resolve()
-            self.spool.written(path, job.nbytes)
-            self.rows += 1
-            self.tokens += len(job.ids)
+            self._done(job, hidden_state_path(self.spool.root, index).resolve())
+        for index in [*got["lost"], *got["redo"]]:
+            job = self._inflight.pop(index, None)
+            self._finished_at.pop(index, None)
+            if job is None:
+                continue
+            if final:
+                self._fail(job, BadRequest("no states could be captured for this prompt", status=500))
+            else:
+                self._parked.append(job)
+        if got["redo"]:
+            self._hold = True
+
+    def _done(self, job: _Job, path: Path) -> None:
+        """The prompt's file is written: link it for each follower, then answer (the reader deletes it)."""
+        self._leaders.pop(tuple(job.ids), None)
+        for follower in job.followers:
+            link = hidden_state_path(self.spool.root, next(self._numbers)).resolve()
             try:
-                job.future.set_result(str(path))
-            except InvalidStateError:  # its client went away (a cancelled request): nobody will read it
-                path.unlink(missing_ok=True)
-        for index in got["lost"]:
-            if index in inflight:
-                self._fail(inflight.pop(index), BadRequest("no states were captured for this prompt", status=500))
-        again = [inflight.pop(i) for i in got["redo"] if i in inflight]
-        self._parked.update(again)
-        if redo is None:
-            return again
-        redo += again
-        return redo
+                os.link(path, link)
+            except OSError as exc:
+                self._fail(follower, BadRequest(f"cannot link the prompt's file in the spool ({exc.strerror})", 500))
+                continue
+            self._settled(follower, link)
+        self._settled(job, path)
+
+    def _settled(self, job: _Job, path: Path) -> None:
+        self.spool.written(path, job.nbytes)
+        self.rows += 1
+        self.tokens += len(job.ids)
+        try:
+            job.future.set_result(str(path))
+        except InvalidStateError:  # its client went away (a cancelled request): nobody will read it
+            path.unlink(missing_ok=True)
 
     def _fail(self, job: _Job, error: BadRequest) -> None:
+        if self._leaders.get(tuple(job.ids)) is job:
+            del self._leaders[tuple(job.ids)]
+        for follower in job.followers:
+            self._fail(follower, error)
+        job.followers = []
         self.spool.release(job.nbytes)
         try:
             job.future.set_exception(error)

@@ -101,19 +101,24 @@ class HiddenStateExtension:
                 writer.expect_loss_masks(loss_masks)
             capture.expect(rows)
 
-    def eagle_drain(self, wait: bool = True) -> dict | None:
-        """Report rows written, errors and capture stats; `wait` until capture and disk have caught up."""
+    def eagle_drain(self, wait: bool = True, finished: list[int] | None = None) -> dict | None:
+        """Report rows written, errors and capture stats; `wait` until capture and disk have caught up.
+        Every row announced so far has run (a generate call returned, or the engine ran empty); with
+        `finished`, only these rows have, while others still run (the server's continuous batching)."""
         if not getattr(self, "_eagle", None):
             return None
         capture, writer = self._eagle
-        capture.settle()  # every row announced so far has run: the generate call returned
+        if finished is None:
+            capture.settle()
+        else:
+            capture.retire(finished)
         captured = (
             capture.drain() if wait else {"stats": capture.counts(), "pending": [], "errors": list(capture.errors)}
         )
         report = writer.drain(wait)
         report["errors"] = captured["errors"] + report["errors"]
         redo, lost = capture.take_unwritten()
-        return {**captured, **report, "redo": redo, "lost": lost}
+        return {**captured, **report, "redo": redo, "lost": lost, "untrusted": capture.untrusted}
 
     def eagle_remove(self) -> None:
         if getattr(self, "_eagle", None):
