@@ -20,7 +20,7 @@ src = ensure_smollm2()
 [shutil.copy(f, sys.argv[1]) for f in pathlib.Path(src).iterdir() if f.name.startswith('tokenizer') or f.suffix == '.jinja']" $model
   args=(--model $model --dummy --rows 256 --prompt-len 1024 --reps 2)
 else
-  args=(--model smollm2 --rows 512 --prompt-len 1024 --reps 3)
+  args=(--model smollm2 --rows 256 --prompt-len 1024 --reps 2)
 fi
 spools=(--spool /dev/shm/spool --spool "$disk")
 [ "$only" = shm ] && spools=(--spool /dev/shm/spool)
