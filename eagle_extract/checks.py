@@ -343,7 +343,10 @@ def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None,
             continue  # the online trainer asks the server for this row
         if problem:
             problems.append((i, problem))
-            if problem.startswith(("token_ids differ", "hidden_states shape")):
+            other_length = problem.startswith("hidden_states shape (") and not problem.startswith(
+                f"hidden_states shape ({len(row['input_ids'])}, "
+            )
+            if other_length or problem.startswith(("token_ids differ", "input_ids or loss_mask differ")):
                 foreign.add(i)
         if layer_ids is not None:
             recorded += 1

@@ -11,8 +11,12 @@ import threading
 _received = threading.Event()
 
 
-def _interrupt(signum, frame):
+def note_interrupt() -> None:
     _received.set()
+
+
+def _interrupt(signum, frame):
+    note_interrupt()
     raise KeyboardInterrupt
 
 

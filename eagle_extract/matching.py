@@ -27,6 +27,16 @@ class _PartialPrompt:
     tokens: list[int]
     chunks: list | None  # [T_i, K, H] views of step buffers, in order; None once no waiting row can use them
     tainted: bool = False  # an ambiguous run may have been bound to it: what it completes is run again
+    hashed: tuple[int, int] = (0, 0)  # (tokens hashed so far, their rolling hash): RequestMatcher._waiting_prefixes
+
+
+_MOD, _BASE = (1 << 61) - 1, 1_000_003
+
+
+def _rolling(value: int, tokens) -> int:
+    for t in tokens:
+        value = (value * _BASE + t + 1) % _MOD
+    return value
 
 
 def segments(positions: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -87,6 +97,7 @@ class RequestMatcher:
         self._running: list[tuple[int, ...]] = []  # every prompt announced and not settled, sorted
         self._announced: dict[int, tuple[int, ...]] = {}
         self._lengths: Counter[int] = Counter()  # the waiting rows' prompt lengths
+        self._hashes: Counter[int] = Counter()  # and their rolling hashes
         self._open: list[_PartialPrompt] = []
         self._untrusted = False  # an ambiguous run since the last settle
         self.redo: list[int] = []  # rows completed from a tainted partial prompt: run them again
@@ -100,6 +111,7 @@ class RequestMatcher:
         self._whole[key].append(_Request(index, key))
         bisect.insort(self._waiting, key)
         self._lengths[len(key)] += 1
+        self._hashes[_rolling(0, key)] += 1
         bisect.insort(self._running, key)
         self._announced[index] = key
 
@@ -261,16 +273,14 @@ class RequestMatcher:
             if partial.chunks is not None:
                 partial.chunks.append(chunk)
         done = []
-        for length in sorted(n for n in self._lengths if before < n <= len(partial.tokens)):
+        for length in self._waiting_prefixes(partial, before):
             key = tuple(partial.tokens[:length])
-            waiting = self._whole.get(key)
-            if not waiting or (partial.chunks is None and not partial.tainted):
-                continue
+            waiting = self._whole[key]
             req = waiting.popleft()
             if not waiting:
                 del self._whole[key]
             self._forget_waiting(key)
-            if partial.tainted:
+            if partial.tainted or partial.chunks is None:  # states dropped (no room, or before the row came)
                 self.redo.append(req.index)
             else:
                 chunks = list(partial.chunks) if length == len(partial.tokens) else _cut(partial.chunks, length)
@@ -283,11 +293,31 @@ class RequestMatcher:
             self._open.remove(partial)
         return done
 
+    def _waiting_prefixes(self, partial: _PartialPrompt, before: int) -> list[int]:
+        """The lengths past `before` at which the partial prompt's tokens are a waiting row's whole prompt.
+        With many waiting lengths a rolling hash of the tokens, kept on the partial prompt, finds the
+        candidates in one pass instead of one slice per length; each is then checked exactly."""
+        n = len(partial.tokens)
+        lengths = {length for length in self._lengths if before < length <= n}
+        if len(lengths) > 8:
+            done, value = partial.hashed
+            hits = set()
+            for i in range(done, n):
+                value = (value * _BASE + partial.tokens[i] + 1) % _MOD
+                if i + 1 in lengths and value in self._hashes:
+                    hits.add(i + 1)
+            partial.hashed, lengths = (n, value), hits
+        return sorted(length for length in lengths if tuple(partial.tokens[:length]) in self._whole)
+
     def _forget_waiting(self, key: tuple[int, ...]) -> None:
         del self._waiting[bisect.bisect_left(self._waiting, key)]
         self._lengths[len(key)] -= 1
         if not self._lengths[len(key)]:
             del self._lengths[len(key)]
+        value = _rolling(0, key)
+        self._hashes[value] -= 1
+        if not self._hashes[value]:
+            del self._hashes[value]
 
     def take_redo(self) -> list[int]:
         """The rows completed from tainted partial prompts since the last call."""
@@ -299,6 +329,9 @@ class RequestMatcher:
         out of a step's buffer, so that buffer can go); `alone` says no other partial prompt holds states.
         A partial prompt for which `copy` gives None (no host memory for it) drops its states and is
         tainted: the rows it completes are run again, where fewer prompts are open."""
+        for partial in self._open:
+            if partial.tainted:  # what it completes is run again: its states are never read
+                partial.chunks = None
         holding = [s for s in self._open if s.chunks is not None]
         for partial in holding:
             chunks = [copy(c, len(holding) == 1) for c in partial.chunks]

@@ -148,15 +148,20 @@ def identical_complete(output: Path, identity: dict, overwrite: bool, states: st
         changed = identity_changes(manifest["identity"], identity)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         why = f"{type(exc).__name__}: {exc}"
-        raise ExtractError(
-            f"--output {output}: its manifest {path} is unreadable ({why}); delete it and rerun the command that "
-            "wrote the output: every row already written is checked and kept, and the manifest is written again"
-        ) from None
+        if (Path(output) / shards.SHARDS_DIR).is_dir():  # its rows are named by dataset row now: a rerun redoes them
+            fix = "restore it from a copy (a rerun of the shards would extract every row again)"
+        else:
+            fix = (
+                "delete it and rerun the command that wrote the output: every row already written is checked and "
+                "kept, and the manifest is written again"
+            )
+        raise ExtractError(f"--output {output}: its manifest {path} is unreadable ({why}); {fix}") from None
     if changed:
         k = changed[0]
         raise ExtractError(
             f"--output {output} already holds a complete extraction with a different {k} "
-            f"({manifest['identity'][k]!r}, now {identity[k]!r}); pass --overwrite to replace it, or choose another --output"
+            f"({manifest['identity'].get(k)!r}, now {identity[k]!r}); pass --overwrite to replace it, or choose "
+            "another --output"
         )
     if manifest.get("states") == "none" and states == "all":
         raise ExtractError(

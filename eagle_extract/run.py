@@ -15,12 +15,12 @@ from pathlib import Path
 
 from . import output as out
 from . import preflight, regenerate, shards, stream
+from .capture_spec import CaptureSpec, host_bytes_per_rank
 from .config import ExtractConfig
 from .data import read_records
 from .engine import start_engine
 from .errors import ExtractError, engine_errors
 from .formats import BadRow
-from .capture_spec import CaptureSpec, host_bytes_per_rank
 from .model_nav import refuse_unfound_decoder
 from .plan import Plan, make_plan
 from .runlog import RunLog, progress, share_progress

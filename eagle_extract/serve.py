@@ -32,9 +32,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from .capture_spec import CaptureSpec, host_bytes_per_rank
 from .config import ExtractConfig
 from .errors import ExtractError, engine_errors
-from .capture_spec import CaptureSpec, host_bytes_per_rank
+from .interrupts import interrupted, note_interrupt
 from .model_nav import refuse_unfound_decoder
 from .plan import model_layers
 from .preflight import check_options, check_weights, load_tokenizer
@@ -170,7 +171,7 @@ class _Job:
     followers: list = field(default_factory=list)  # requests for the same prompt, given links to its file
 
 
-STALL_S = 5.0  # a row the engine finished that has no file after this long: stop taking rows, settle
+STALL_S = 30.0  # a row the engine finished that has no file after this long (not a slow disk): hold, settle
 
 
 class EngineLoop(threading.Thread):
@@ -198,6 +199,8 @@ class EngineLoop(threading.Thread):
         self._finished_at: dict[int, float] = {}  # finished by the engine, no file yet
         self._parked: list[_Job] = []  # to run again alone once the engine is empty
         self._hold = False  # take no new request until the engine is empty
+        self._unsettled = False  # rows announced since the last settle
+        self._refused: list[int] = []  # announced, then refused by vLLM: retired at the next drain
 
     def submit(self, ids: list[int], nbytes: int) -> Future:
         if self.failed:
@@ -212,17 +215,23 @@ class EngineLoop(threading.Thread):
             while not (self.stopping.is_set() and self.jobs.empty() and not self._inflight and not self._parked):
                 if not self._hold:
                     self._admit(engine)
-                finished = self._step(engine) if self._running else []
-                if not self._inflight and not self._parked:
-                    if not self._running:
-                        self.watch.pause()  # idle: no time limit until the next request
-                    continue
                 if self._running:
-                    self._answer(self._drain(False, finished))
-                else:  # the engine is empty: settle every row announced, run again alone what is left
+                    finished = self._step(engine) + self._refused
+                    self._refused = []
+                    if self._running:
+                        self._answer(self._drain(False, finished))
+                        continue
+                # the engine is empty: settle every row announced since the last settle, run again alone what
+                # is left; then new requests may come in again
+                if self._unsettled or self._parked:
+                    self._unsettled, self._refused = False, []
                     self._answer(self._drain(True, None))
                     self._run_alone(engine)
-                    self._hold = False
+                    for index in list(self._inflight):  # every row is settled now: none may wait on
+                        self._fail(self._inflight.pop(index), BadRequest("no states were captured", status=500))
+                self._hold = False
+                if not self._inflight:
+                    self.watch.pause()  # idle: no time limit until the next request
         except BaseException as exc:
             self.failed = str(exc) if isinstance(exc, ExtractError) else f"{type(exc).__name__}: {exc}"
             self.note(f"engine loop failed: {self.failed}")
@@ -270,6 +279,7 @@ class EngineLoop(threading.Thread):
         for job in jobs:
             job.index = next(self._numbers)
             self._inflight[job.index] = job
+        self._unsettled = True
         self.llm.collective_rpc("eagle_expect", args=([(job.index, job.ids) for job in jobs], None))
         params = SamplingParams(max_tokens=1, temperature=0.0)
         for job in jobs:
@@ -278,6 +288,7 @@ class EngineLoop(threading.Thread):
             except ValueError as exc:  # vLLM's own check refused the prompt: that request fails, the rest go on
                 said = (str(exc).splitlines() or [""])[0][:300]
                 self._fail(self._inflight.pop(job.index), BadRequest(f"vLLM refused the prompt: {said}"))
+                self._refused.append(job.index)
                 continue
             self._running.add(job.index)
 
@@ -307,14 +318,14 @@ class EngineLoop(threading.Thread):
     def _run_alone(self, engine) -> None:
         """Each row left after a settle runs again alone: an engine of one prompt cannot confuse it.  A row
         that fails alone too is failed to its client."""
-        again, self._parked = self._parked, []
-        for job in again:
+        while self._parked:  # taken one at a time: if the engine fails, the rest are failed with it
+            job = self._parked.pop(0)
             self.redone += 1
             self._start(engine, [job])
             while self._running:
                 self._step(engine)
-            got = self._drain(True, None)
-            self._answer(got, final=True)
+            self._answer(self._drain(True, None), final=True)
+        self._unsettled = False
         self._finished_at.clear()
 
     def summary(self) -> str:
@@ -329,9 +340,11 @@ class EngineLoop(threading.Thread):
         for index in (i for rows in got["written_by"] for i in rows):
             job = self._inflight.pop(index, None)
             self._finished_at.pop(index, None)
-            if job is None:
+            path = hidden_state_path(self.spool.root, index).resolve()
+            if job is None:  # a prompt vLLM refused, served by another's run: nobody asked for it
+                path.unlink(missing_ok=True)
                 continue
-            self._done(job, hidden_state_path(self.spool.root, index).resolve())
+            self._done(job, path)
         for index in [*got["lost"], *got["redo"]]:
             job = self._inflight.pop(index, None)
             self._finished_at.pop(index, None)
@@ -341,8 +354,7 @@ class EngineLoop(threading.Thread):
                 self._fail(job, BadRequest("no states could be captured for this prompt", status=500))
             else:
                 self._parked.append(job)
-        if got["redo"]:
-            self._hold = True
+                self._hold = True
 
     def _done(self, job: _Job, path: Path) -> None:
         """The prompt's file is written: link it for each follower, then answer (the reader deletes it)."""
@@ -618,9 +630,9 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
             f"stopped: {loop.summary()}; {spool.expired} files never collected were removed; the spool's files "
             f"are removed; log: {log_path}"
         )
-        if loop.failed:
+        if loop.failed and not interrupted():
             raise ExtractError(f"the engine failed: {loop.failed}; the server stopped (the log: {log_path})")
-    return status
+    return 0 if interrupted() else status
 
 
 class _Server:
@@ -644,6 +656,9 @@ class _Server:
         self.app = app
 
     def stop(self, signum=None, frame=None) -> None:
+        """A terminal's Ctrl-C reaches vLLM's engine processes too, which stop at once: what fails after it
+        is the stop asked for (requests still in flight get 503), not an engine failure."""
+        note_interrupt()
         if self.server.should_exit and signum == signal.SIGINT:
             self.server.force_exit = True
         self.server.should_exit = True

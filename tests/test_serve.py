@@ -263,14 +263,45 @@ def test_sigterm_answers_the_request_in_flight_then_removes_the_spool_and_exits_
     assert s.lines[-1].startswith("stopped: ")
 
 
+def _twins_and_turns() -> list[list[int]]:
+    """Rows continuous batching must not confuse: twins (equal length, other early tokens, one tail) cut into
+    16-token chunks side by side, and the first k turns of one conversation."""
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for _ in range(3):
+        twin = torch.randint(100, 40000, (100,), generator=g).tolist()
+        other = twin[:20] + torch.randint(100, 40000, (3,), generator=g).tolist() + twin[23:]
+        rows += [twin, other]
+    whole = torch.randint(100, 40000, (120,), generator=g).tolist()
+    return rows + [whole[:k] for k in (30, 60, 90, 120)]
+
+
 def test_fp8_rows_read_by_fp8transfer_and_a_dead_engine_ends_the_server(tmp_path_factory, tiny_llama, tmp_path):
     """hs-connectors' FP8Transfer dequantises the server's FP8 files (bf16 engine, against transformers in
-    float32); then the engine process dies: one line, a non-zero exit, no file left, no client waiting."""
+    float32), also for rows that arrive together and that the engine runs in 16-token chunks side by side
+    (twins, prefixes of each other), in two waves: each row gets its own states, at every position.  Then
+    the engine process dies: one line, a non-zero exit, no file left, no client waiting."""
     from hs_connectors import FP8Transfer
 
     server = Server(tiny_llama, tmp_path_factory.mktemp("spool8"), "--dtype", "bfloat16", "--storage-dtype", "fp8",
-                    "--layers", "1,3")  # fmt: skip
+                    "--layers", "1,3", "--engine-arg", "long_prefill_token_threshold=16",
+                    "--max-num-batched-tokens", "64")  # fmt: skip
     try:
+        ref = Reference(tiny_llama)
+        for wave in range(2):  # the second wave: the server still takes requests after the first one's
+            rows = _twins_and_turns()
+            datapath = _dataset(tmp_path / f"wave{wave}", rows)
+            online = _online_dataset(datapath, server, FP8Transfer(datapath / "hidden_states"))
+            with ThreadPoolExecutor(len(rows)) as pool:
+                items = list(pool.map(online.__getitem__, range(len(rows))))
+            for ids, item in zip(rows, items):
+                assert isinstance(item, dict), item
+                got = torch.cat(
+                    [item["hidden_states"].unflatten(1, (2, -1)), item["verifier_last_hidden_states"][:, None]], 1
+                ).float()
+                want = ref.slots(ids, [1, 3, 6])
+                assert rel_err(got, want) < 0.05 and rel_err(got[20:], want[20:]) < 0.05  # a twin's tail too
+
         rows = [[int(t) for t in torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(n))]
                 for n in (17, 60, 130)]  # fmt: skip
         datapath = _dataset(tmp_path / "data", rows)
