@@ -18,6 +18,7 @@ import torch
 class _Request:
     index: int
     token_ids: tuple[int, ...]
+    hash: int  # _rolling of token_ids, taken once
 
 
 @dataclass(eq=False)
@@ -108,10 +109,11 @@ class RequestMatcher:
 
     def expect(self, index: int, token_ids: list[int]) -> None:
         key = tuple(token_ids)
-        self._whole[key].append(_Request(index, key))
+        req = _Request(index, key, _rolling(0, key))
+        self._whole[key].append(req)
         bisect.insort(self._waiting, key)
         self._lengths[len(key)] += 1
-        self._hashes[_rolling(0, key)] += 1
+        self._hashes[req.hash] += 1
         bisect.insort(self._running, key)
         self._announced[index] = key
 
@@ -129,7 +131,7 @@ class RequestMatcher:
             for r in waiting:
                 if r.index in indices:
                     (redo if self._untrusted else lost).append(r.index)
-                    self._forget_waiting(key)
+                    self._forget_waiting(r)
             if kept:
                 self._whole[key] = kept
             else:
@@ -279,7 +281,7 @@ class RequestMatcher:
             req = waiting.popleft()
             if not waiting:
                 del self._whole[key]
-            self._forget_waiting(key)
+            self._forget_waiting(req)
             if partial.tainted or partial.chunks is None:  # states dropped (no room, or before the row came)
                 self.redo.append(req.index)
             else:
@@ -309,15 +311,15 @@ class RequestMatcher:
             partial.hashed, lengths = (n, value), hits
         return sorted(length for length in lengths if tuple(partial.tokens[:length]) in self._whole)
 
-    def _forget_waiting(self, key: tuple[int, ...]) -> None:
+    def _forget_waiting(self, req: _Request) -> None:
+        key = req.token_ids
         del self._waiting[bisect.bisect_left(self._waiting, key)]
         self._lengths[len(key)] -= 1
         if not self._lengths[len(key)]:
             del self._lengths[len(key)]
-        value = _rolling(0, key)
-        self._hashes[value] -= 1
-        if not self._hashes[value]:
-            del self._hashes[value]
+        self._hashes[req.hash] -= 1
+        if not self._hashes[req.hash]:
+            del self._hashes[req.hash]
 
     def take_redo(self) -> list[int]:
         """The rows completed from tainted partial prompts since the last call."""
