@@ -612,7 +612,8 @@ def _merge(output: Path) -> dict:
         raise ExtractError(
             f"shard(s) {names} of {output} have not finished; run them (--shard {missing[0]}/{num}), then merge again"
         )
-    plan = make_plan(ExtractConfig.from_options(**{**summary["config"], "output": output}))
+    config = ExtractConfig.from_options(**{**summary["config"], "output": output})
+    plan = make_plan(config, engine=False)  # merging starts no engine: the shards checked its arguments
     shards.release_completion(output)  # an earlier completer that died left its lock
     stores = _shard_stores(output, num)
     shards.claim_completion(output)

@@ -43,9 +43,10 @@ class Plan:
         return len(self.slot_ids) * self.shape.hidden_size * width + 12
 
 
-def make_plan(cfg: ExtractConfig) -> Plan:
-    """Every input check, in the order a user would fix them; `cfg` must be resolved()."""
-    preflight.check_options(cfg)
+def make_plan(cfg: ExtractConfig, engine: bool = True) -> Plan:
+    """Every input check, in the order a user would fix them; `cfg` must be resolved().  Without `engine`
+    (a job that starts none: `merge`) the engine arguments are not checked against vLLM's."""
+    preflight.check_options(cfg, engine)
     shard = shards.parse_shard(cfg.shard)
     shape, aux_ids = model_layers(cfg)
     if cfg.regenerate:

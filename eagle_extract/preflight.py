@@ -101,7 +101,7 @@ def load_tokenizer(cfg: ExtractConfig):
         ) from None
 
 
-def check_options(cfg: ExtractConfig) -> None:
+def check_options(cfg: ExtractConfig, engine: bool = True) -> None:
     """Options out of their range, or contradicting each other, whatever the model.  Each range is written
     as `not (inside)`, so that NaN, which every comparison fails, is out of it."""
     for name, choices in CHOICES.items():
@@ -130,7 +130,8 @@ def check_options(cfg: ExtractConfig) -> None:
         raise ExtractError(
             f"--stall-timeout {cfg.stall_timeout}: give the seconds without progress that count as a hang (0: never)"
         )
-    check_engine_args(cfg.engine_args)
+    if engine:
+        check_engine_args(cfg.engine_args)
     if cfg.shard and cfg.overwrite:
         raise ExtractError(
             "--overwrite cannot be combined with --shard (it would delete the other shards' work); "

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -251,6 +252,24 @@ def test_the_identity_holds_the_tokenizer_and_template_and_only_engine_arguments
     after = identity(engine_args={"quantization": "fp8"})
     assert after["tokenizer_sha256"] != before["tokenizer_sha256"]
     assert {k for k in before if before[k] != after[k]} == {"tokenizer_sha256"}
+
+
+def test_merge_checks_the_recorded_settings_but_not_the_engine_arguments(tmp_path, smollm2):
+    """`merge` starts no engine: an engine argument this vLLM does not know (the shards may have run on
+    another) is not refused, while the other checks still are made."""
+    from eagle_extract.config import ExtractConfig
+    from eagle_extract.plan import make_plan
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]})
+    )
+    cfg = ExtractConfig(model=str(smollm2), data=data, output=tmp_path / "o", engine_args={"no_such_arg": 1})
+    with pytest.raises(ExtractError, match="engine argument no_such_arg is not one of"):
+        make_plan(cfg)
+    assert make_plan(cfg, engine=False).identity["engine_args"] == {"no_such_arg": 1}
+    with pytest.raises(ExtractError, match="--layers: id 99 is out of range"):
+        make_plan(replace(cfg, layers="99"), engine=False)
 
 
 def test_an_unreadable_record_is_one_line_naming_it_and_losing_no_row(tmp_path):
