@@ -23,10 +23,11 @@ from pathlib import Path
 
 from eagle_extract.data import Sample, Skipped
 from eagle_extract.output import _name_by_index
+from eagle_extract.rowfile import hidden_state_path
 from eagle_extract.shards import rows_folder
 from eagle_extract.store import DatasetRows, TokenStore
 from eagle_extract.stream import CHUNK_ROWS
-from eagle_extract.writer import hidden_state_path, write_dataset
+from eagle_extract.writer import write_dataset
 
 
 def _rss() -> tuple[int, int]:

@@ -18,8 +18,8 @@ from .checks import find_problems
 from .config import ExtractConfig
 from .errors import ExtractError
 from .lock import holding
+from .manifest import MANIFEST, Manifest
 from .run import run
-from .writer import MANIFEST
 
 
 @dataclass(frozen=True)
@@ -72,24 +72,24 @@ class Summary:
                 redone_rows=result["redone_rows"],
                 waiting_for=tuple(result["waiting_for"]),
             )
-        timing = result["timing"]
+        m = Manifest.of(result)  # an earlier release's too: a rerun of a complete output returns its manifest
         return cls(
             output=Path(output),
             complete=True,
-            model=result["model"],
-            rows=result["num_samples"],
-            tokens=result["num_tokens"],
-            bytes_written=result["bytes_written"],
-            engine_start_s=timing["engine_start_s"],
-            extract_s=timing["extract_s"],
-            tokens_per_s=timing["tokens_per_s"],
-            aux_layer_ids=result["aux_layer_ids"],
-            legacy_layer_ids=result.get("legacy_layer_ids"),
-            truncated=result["truncated"],
-            skipped=result["skipped"],
-            skipped_long=result["skipped_long"],
-            resumed_rows=result.get("resumed_rows", 0),
-            redone_rows=result.get("redone_rows", 0),
+            model=m.model,
+            rows=m.num_samples,
+            tokens=m.num_tokens,
+            bytes_written=m.bytes_written,
+            engine_start_s=m.timing["engine_start_s"],
+            extract_s=m.timing["extract_s"],
+            tokens_per_s=m.timing["tokens_per_s"],
+            aux_layer_ids=m.aux_layer_ids,
+            legacy_layer_ids=m.legacy_layer_ids,
+            truncated=m.truncated,
+            skipped=m.skipped,
+            skipped_long=m.skipped_long,
+            resumed_rows=m.resumed_rows,
+            redone_rows=m.redone_rows,
             manifest=result,
         )
 

@@ -7,75 +7,27 @@ other than the model folder's config.json says (when that folder is here); missi
 unreadable hidden-state files (either layout), wrong shapes or dtypes, `token_ids` that differ from the
 row's `input_ids`, rows whose bytes changed since they were written (their checksum) or that hold other
 layer ids than the manifest's, NaN/Inf values, stray files, and a `token_freq.pt` that does not match
-the rows.  Each file is read once.
-
-Rows written by an eagle-extract from before the rows recorded their layer ids and checksum are
-accepted as they are: nothing is said about the missing record, so older outputs still pass.
+the rows.  Each file is read once.  The manifest's fields and what each must be are declared in
+manifest.py, what a row file must be in rowfile.py.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from .config import LEGACY
-from .fp8 import FP8, SCALES
+from .fp8 import FP8
 from .layers import LayerError, legacy_layer_ids, parse_layer_ids
+from .manifest import MANIFEST, OFFLINE, Manifest, ManifestError, read_manifest
+from .rowfile import HIDDEN_DIR, check_row, completed_rows, layer_ids_text
 from .runlog import counting
 from .shards import ROWS_DIR, SHARDS_DIR
-from .writer import (
-    CHECKSUM,
-    HIDDEN_DIR,
-    LAYER_IDS,
-    LEGACY_RECORD,
-    MANIFEST,
-    ManifestError,
-    changed_since_written,
-    completed_rows,
-    hidden_state_path,
-    layer_ids_text,
-    legacy_tensors,
-    read_manifest,
-    read_row,
-)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float8_e4m3fn": FP8}
-MODEL_DTYPES = ("bfloat16", "float16", "float32")
-FORMATS = ("speculators-offline", LEGACY)
-
-
-def _int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is no count
-
-
-def _count(low: int):
-    return lambda v: _int(v) and v >= low
-
-
-def _ids(value) -> bool:
-    return isinstance(value, list) and all(map(_int, value))
-
-
-# field -> (test of its value, what it must be); the checks after these use only fields that pass
-FIELDS = {
-    "format": (lambda v: v in FORMATS, " or ".join(map(json.dumps, FORMATS))),
-    "identity": (lambda v: isinstance(v, dict), "an object"),
-    "config": (lambda v: isinstance(v, dict), "an object"),
-    "model": (lambda v: isinstance(v, str), "a string"),
-    "aux_layer_ids": (_ids, "a list of integers"),
-    "final_layer_id": (_count(1), "a positive integer"),
-    "slot_layer_ids": (_ids, "a list of integers"),
-    "legacy_layer_ids": (lambda v: v is None or _ids(v), "a list of integers or null"),
-    "dtype": (lambda v: v in MODEL_DTYPES, '"bfloat16", "float16" or "float32"'),
-    "storage_dtype": (lambda v: v in (*MODEL_DTYPES, "float8_e4m3fn"), 'the dtype or "float8_e4m3fn"'),
-    "hidden_size": (_count(1), "a positive integer"),
-    "seq_length": (_count(1), "a positive integer"),
-    "num_samples": (_count(0), "a non-negative integer"),
-    "num_tokens": (_count(0), "a non-negative integer"),
-    "num_loss_tokens": (_count(0), "a non-negative integer"),
-}
 
 
 def _json(value) -> str:
@@ -83,23 +35,23 @@ def _json(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-LATER = {"format", "identity", "config", "storage_dtype", "legacy_layer_ids", "num_loss_tokens", "seq_length"}
-# ^ fields manifests of earlier eagle-extract releases may lack: their outputs are checked without them
-
-
 def manifest_fields(manifest: dict) -> tuple[dict, list[str]]:
-    """The fields of the right type, and a problem for each missing or mistyped one."""
+    """The fields of the right type, and a problem for each missing or mistyped one; the checks after
+    these use only fields that pass.  A field earlier releases did not write may be missing."""
     good, problems = {}, []
-    for name, (valid, what) in FIELDS.items():
+    for f in fields(Manifest):
+        valid, name = f.metadata["test"], f.name
+        if valid is None:
+            continue
         if name not in manifest:
-            if name not in LATER:
+            if f.metadata["always"]:
                 problems.append(f"{MANIFEST} has no {name!r} field")
         elif not valid(manifest[name]):
-            problems.append(f"{MANIFEST}: {name} is {_json(manifest[name])}, expected {what}")
+            problems.append(f"{MANIFEST}: {name} is {_json(manifest[name])}, expected {f.metadata['what']}")
         else:
             good[name] = manifest[name]
     if "format" not in manifest:  # what the earlier releases wrote
-        good["format"] = "speculators-offline"
+        good["format"] = OFFLINE
     if "storage_dtype" not in manifest and "dtype" in good:
         good["storage_dtype"] = good["dtype"]
     return good, problems
@@ -171,91 +123,6 @@ def model_problems(m: dict) -> list[str]:
         for field, key in (("final_layer_id", "num_hidden_layers"), ("hidden_size", "hidden_size"))
         if field in m and key in text and text[key] != m[field]
     ]
-
-
-def _unreadable(exc: Exception) -> str:
-    first = str(exc).splitlines()[0][:120] if str(exc).strip() else ""
-    return f"unreadable ({type(exc).__name__}: {first})"
-
-
-def _changed(now: str, meta: dict) -> str:
-    return f"bytes changed since it was written (checksum {meta[CHECKSUM]} recorded, its data gives {now})"
-
-
-NO_CHECKSUM = "its header records no checksum, which every row of this output's release carries"
-
-
-def _lost_checksum(meta: dict, required: bool) -> bool:
-    """A release that records layer ids records the checksum too, and the manifest says when every row has
-    one: a header without it was changed, and the checksum cannot be switched off so."""
-    return CHECKSUM not in meta and (required or LAYER_IDS in meta)
-
-
-def check_legacy_row(
-    output: Path, index: int, row: dict, slots: int, hidden: int, dtype, checksums: bool = False
-) -> tuple[str | None, str | None]:
-    """The problem with row `index`'s data_{i}.pt (speculators 0.3/0.4 layout) or None, and the layer
-    ids the file records (None when it records none)."""
-    path = hidden_state_path(output, index, legacy=True)
-    if not path.exists():
-        return "data file missing", None
-    try:
-        sample = torch.load(path, weights_only=True)
-        states, ids, mask = sample["hidden_states"], sample["input_ids"], sample["loss_mask"]
-        meta = {str(k): str(v) for k, v in sample.get(LEGACY_RECORD, {}).items()}
-    except Exception as exc:
-        return _unreadable(exc), None
-    layer_ids = meta.get(LAYER_IDS)
-    if not torch.equal(ids, row["input_ids"]) or not torch.equal(mask, row["loss_mask"]):
-        return "input_ids or loss_mask differ from the dataset row", layer_ids
-    expected = (len(ids), hidden)
-    if len(states) != slots or any(tuple(t.shape) != expected or t.dtype != dtype for t in states):
-        return f"hidden_states is not {slots} tensors of {expected} {dtype}", layer_ids
-    if _lost_checksum(meta, checksums):
-        return NO_CHECKSUM, layer_ids
-    now = changed_since_written(legacy_tensors(sample), meta)
-    if now:
-        return _changed(now, meta), layer_ids
-    if not all(torch.isfinite(t).all() for t in states):
-        return "hidden_states hold NaN or Inf", layer_ids
-    return None, layer_ids
-
-
-def check_row(
-    output: Path, index: int, input_ids: torch.Tensor, slots: int, hidden: int, dtype, checksums: bool = False
-) -> tuple[str | None, str | None]:
-    """The problem with row `index`'s file or None, and the layer ids it records (None when it records
-    none).  The checksum is taken over the tensors read for the other checks: one read of the file."""
-    path = hidden_state_path(output, index)
-    if not path.exists():
-        return "hidden-state file missing", None
-    try:
-        tensors, meta = read_row(path)
-        hs, tok = tensors["hidden_states"], tensors["token_ids"]
-        scales = tensors[SCALES] if dtype == FP8 else None
-    except Exception as exc:
-        return _unreadable(exc), None
-    layer_ids = meta.get(LAYER_IDS)
-    expected = (len(input_ids), slots, hidden)
-    if tuple(hs.shape) != expected:
-        return f"hidden_states shape {tuple(hs.shape)}, expected {expected}", layer_ids
-    if hs.dtype != dtype:
-        return f"hidden_states dtype {hs.dtype}, expected {dtype}", layer_ids
-    if tok.dtype != torch.int64 or not torch.equal(tok, input_ids):
-        return "token_ids differ from the row's input_ids", layer_ids
-    if scales is not None:
-        if tuple(scales.shape) != (len(input_ids), 1, 1) or scales.dtype != torch.float32:
-            shape = f"{tuple(scales.shape)} {scales.dtype}"
-            return f"{SCALES} shape {shape}, expected ({len(input_ids)}, 1, 1) float32", layer_ids
-        hs = hs.float() * scales
-    if _lost_checksum(meta, checksums):
-        return NO_CHECKSUM, layer_ids
-    now = changed_since_written(tensors, meta)
-    if now:
-        return _changed(now, meta), layer_ids
-    if not torch.isfinite(hs).all():
-        return "hidden_states hold NaN or Inf", layer_ids
-    return None, layer_ids
 
 
 def layer_id_problems(
@@ -335,10 +202,7 @@ def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None,
         if not layout:  # the manifest's problems above say why the files cannot be checked
             continue
         checksums = manifest.get("row_checksums") is True
-        if legacy:
-            problem, layer_ids = check_legacy_row(output, i, row, slots, hidden, dtype, checksums)
-        else:
-            problem, layer_ids = check_row(output, i, row["input_ids"], slots, hidden, dtype, checksums)
+        problem, layer_ids = check_row(output, i, row, slots, hidden, dtype, legacy, checksums)
         if problem == "hidden-state file missing" and manifest.get("states") == "none":
             continue  # the online trainer asks the server for this row
         if problem:

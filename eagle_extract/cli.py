@@ -13,7 +13,7 @@ from .checks import repairable
 from .config import CHOICES, ExtractConfig
 from .errors import ExtractError
 from .interrupts import stop_on_signals
-from .writer import MANIFEST
+from .manifest import MANIFEST
 
 D = ExtractConfig()  # the defaults, shared with the API
 

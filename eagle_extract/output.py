@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,19 +18,13 @@ from .atomic import fsync, read_record, write_atomically, write_record
 from .config import LEGACY, ExtractConfig
 from .errors import ExtractError
 from .layers import CONVENTION, legacy_layer_ids
+from .manifest import MANIFEST, OFFLINE, Manifest, read_manifest, write_manifest
 from .plan import Plan, make_plan
+from .rowfile import HIDDEN_DIR, completed_rows, hidden_state_path
 from .stages import PARTS_DIR
 from .store import STORE, DatasetRows, TokenStore, store_name
 from .version import __version__
-from .writer import (
-    HIDDEN_DIR,
-    MANIFEST,
-    completed_rows,
-    hidden_state_path,
-    read_manifest,
-    write_dataset,
-    write_manifest,
-)
+from .writer import write_dataset
 
 RUN_FILE = ".eagle_extract_run.json"  # identity of an unfinished run, for resuming
 SKIPPED = "skipped_rows.jsonl"
@@ -163,12 +156,13 @@ def identical_complete(output: Path, identity: dict, overwrite: bool, states: st
             f"({manifest['identity'].get(k)!r}, now {identity[k]!r}); pass --overwrite to replace it, or choose "
             "another --output"
         )
-    if manifest.get("states") == "none" and states == "all":
+    recorded = Manifest.of(manifest)
+    if recorded.states == "none" and states == "all":
         raise ExtractError(
             f"--output {output} is complete without hidden states (--states none); pass --overwrite to extract every "
             "row's states into it"
         )
-    missing = _first_missing_row(Path(output), manifest)
+    missing = _first_missing_row(Path(output), recorded)
     if missing is not None:
         raise ExtractError(
             f"--output {output} is complete but row {missing}'s file is gone; `eagle-extract verify --repair {output}` "
@@ -178,12 +172,12 @@ def identical_complete(output: Path, identity: dict, overwrite: bool, states: st
     return manifest
 
 
-def _first_missing_row(output: Path, manifest: dict) -> int | None:
+def _first_missing_row(output: Path, manifest: Manifest) -> int | None:
     """One stat per row: a complete output that lost a row file is not reported complete."""
-    if manifest.get("states") == "none" or not isinstance(manifest.get("num_samples"), int):
+    if manifest.states == "none" or not isinstance(manifest.num_samples, int):
         return None
-    legacy = manifest.get("format") == LEGACY
-    return next((i for i in range(manifest["num_samples"]) if not hidden_state_path(output, i, legacy).exists()), None)
+    legacy = manifest.format == LEGACY
+    return next((i for i in range(manifest.num_samples) if not hidden_state_path(output, i, legacy).exists()), None)
 
 
 def already_complete(output: Path) -> str:
@@ -320,51 +314,6 @@ def refuse_other_runs(output: Path, identity: dict, shard: tuple[int, int] | Non
             )
 
 
-SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
-
-
-def kept_dtype(output: Path, index: int) -> str | None:
-    """The model dtype row `index`'s file holds its states in, from its header (None when unreadable)."""
-    try:
-        with open(hidden_state_path(output, index), "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        return SAFETENSORS_DTYPES.get(header["hidden_states"]["dtype"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def kept_file_problem(path: Path, tokens: int, slots: int, hidden: int, legacy: bool) -> str | None:
-    """What a look at a row file's own header (no tensor read) finds wrong, as a power cut leaves it:
-    cut, emptied, its length other than its header says, or shapes other than the run's.  (Not the
-    dtype: with --dtype auto the engine's may differ from the config's, which the identity holds.)"""
-    try:
-        size = path.stat().st_size
-        if legacy:  # a torch.save zip: its directory, at the end, is the first thing a cut loses
-            with zipfile.ZipFile(path) as archive:
-                archive.infolist()
-            return None
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if not 0 < n <= size - 8:
-                return "cut inside its header"
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, zipfile.BadZipFile):
-        return "unreadable"
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    try:
-        end = max(v["data_offsets"][1] for v in tensors.values())
-        shapes = {k: (v["shape"], v["dtype"]) for k, v in tensors.items()}
-    except (TypeError, KeyError, IndexError, ValueError):
-        return "header unreadable"
-    if size != 8 + n + end:
-        return f"{size} bytes, its header says {8 + n + end}"
-    if shapes.get("hidden_states", [None])[0] != [tokens, slots, hidden]:
-        return f"hidden_states {shapes.get('hidden_states')}, the run writes {[tokens, slots, hidden]}"
-    if shapes.get("token_ids") != ([tokens], "I64"):
-        return f"token_ids {shapes.get('token_ids')}, the run writes [{tokens}] I64"
-    return None
-
-
 def forget_other_counts(output: Path, count: int) -> None:
     """A --dp run resumed with another count: the earlier replicas' records and token stores go (their rows
     stay: they are named by source row, whoever wrote them); the parent holds the folder alone."""
@@ -391,6 +340,13 @@ def abandon_if_empty(output: Path, shard: tuple[int, int] | None) -> None:
 def finish_run(output: Path, shard: tuple[int, int] | None) -> None:
     """The run's own record goes: what is left is a complete output, or a finished shard's summary."""
     (output / run_file(shard)).unlink()
+
+
+def remove_leftovers(output: Path) -> None:
+    """What a complete output no longer needs: the token stores, the shards' emptied row folder, --pp parts.
+    (After the manifest: until it is written they are what a cut completion is finished from.)"""
+    for folder in [*output.glob(f"{STORE}*"), output / PARTS_DIR, output / shards.ROWS_DIR]:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _versions() -> dict:
@@ -441,63 +397,56 @@ def _complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerate
     except OSError as exc:
         raise ExtractError(f"writing the dataset files in {output}: {exc.strerror or exc}; {finish}") from None
     extract_s = max(r["extract_s"] for r in runs)
-    manifest = {
-        "format": LEGACY if cfg.legacy else "speculators-offline",
-        "states": cfg.states,  # "none": rows without a file get their states from `eagle-extract serve`
-        "row_checksums": True,  # every row's header carries one: verify refuses a row without
-        "identity": plan.identity,
-        "config": cfg.record(),
-        "model": str(cfg.model),
-        "aux_layer_ids": plan.aux_ids,
-        "final_layer_id": shape.num_layers,
-        "slot_layer_ids": plan.slot_ids,
-        "layer_convention": CONVENTION,
-        "legacy_layer_ids": legacy_layer_ids(plan.slot_ids) if cfg.legacy else None,
-        "dtype": dtype,
-        "storage_dtype": "float8_e4m3fn" if cfg.fp8 else dtype,
-        "hidden_size": shape.hidden_size,
-        "num_samples": counts["samples"],
-        "num_tokens": counts["tokens"],
-        "num_loss_tokens": counts["loss_tokens"],
-        "seq_length": cfg.seq_length,
-        "truncated": counts["truncated"],
-        "skipped": counts["skipped"],
-        "skipped_long": counts["skipped_long"],
-        "regenerated": regenerated,
-        "source_row_ranges": rows.source_row_ranges(),  # dataset row i is the i-th source row these cover
-        "data": {"path": str(cfg.data), "sha256": plan.identity["data_sha256"], "format": cfg.data_format},
-        "tensor_parallel_size": cfg.tp,
-        "pipeline_parallel_size": cfg.pp,
-        "engine_args": cfg.engine_kwargs(),
-        "shards": len(runs) if plan.shard else None,
-        "resumed_rows": sum(r["resumed_rows"] for r in runs),
-        "redone_rows": sum(r.get("redone_rows", 0) for r in runs),  # kept files found damaged on resume
-        "tokenized_rows": sum(r.get("tokenized_rows", 0) for r in runs),  # by the last run of each job
-        "waited_for_tokens_s": max(r.get("waited_for_tokens_s", 0.0) for r in runs),
-        "capture": runs[0]["capture"] if len(runs) == 1 else [r["capture"] for r in runs],
-        "timing": {
+    manifest = Manifest(
+        format=LEGACY if cfg.legacy else OFFLINE,
+        states=cfg.states,
+        row_checksums=True,
+        identity=plan.identity,
+        config=cfg.record(),
+        model=str(cfg.model),
+        aux_layer_ids=plan.aux_ids,
+        final_layer_id=shape.num_layers,
+        slot_layer_ids=plan.slot_ids,
+        layer_convention=CONVENTION,
+        legacy_layer_ids=legacy_layer_ids(plan.slot_ids) if cfg.legacy else None,
+        dtype=dtype,
+        storage_dtype="float8_e4m3fn" if cfg.fp8 else dtype,
+        hidden_size=shape.hidden_size,
+        num_samples=counts["samples"],
+        num_tokens=counts["tokens"],
+        num_loss_tokens=counts["loss_tokens"],
+        seq_length=cfg.seq_length,
+        truncated=counts["truncated"],
+        skipped=counts["skipped"],
+        skipped_long=counts["skipped_long"],
+        regenerated=regenerated,
+        source_row_ranges=rows.source_row_ranges(),
+        data={"path": str(cfg.data), "sha256": plan.identity["data_sha256"], "format": cfg.data_format},
+        tensor_parallel_size=cfg.tp,
+        pipeline_parallel_size=cfg.pp,
+        engine_args=cfg.engine_kwargs(),
+        shards=len(runs) if plan.shard else None,
+        resumed_rows=sum(r["resumed_rows"] for r in runs),
+        redone_rows=sum(r.get("redone_rows", 0) for r in runs),
+        tokenized_rows=sum(r.get("tokenized_rows", 0) for r in runs),
+        waited_for_tokens_s=max(r.get("waited_for_tokens_s", 0.0) for r in runs),
+        capture=runs[0]["capture"] if len(runs) == 1 else [r["capture"] for r in runs],
+        timing={
             "engine_start_s": max(r["engine_start_s"] for r in runs),
             "extract_s": extract_s,
             "tokens_per_s": round(sum(r["tokens"] for r in runs) / extract_s, 1) if extract_s else 0.0,
         },
-        "bytes_written": _bytes_written(output, counts["samples"], cfg.legacy, cfg.states == "all"),
-        "versions": _versions(),
-    }
+        bytes_written=_bytes_written(output, counts["samples"], cfg.legacy, cfg.states == "all"),
+        versions=_versions(),
+    )
     try:
         _write_skip_report(output, rows, counts["skipped"])
-        write_manifest(output, manifest)
+        manifest.write(output)
     except OSError as exc:
         raise ExtractError(f"writing the manifest in {output}: {exc.strerror or exc}; {finish}") from None
     remove_leftovers(output)
     shards.release_completion(output)
-    return manifest
-
-
-def remove_leftovers(output: Path) -> None:
-    """What a complete output no longer needs: the token stores, the shards' emptied row folder, --pp parts.
-    (After the manifest: until it is written they are what a cut completion is finished from.)"""
-    for folder in [*output.glob(f"{STORE}*"), output / PARTS_DIR, output / shards.ROWS_DIR]:
-        shutil.rmtree(folder, ignore_errors=True)
+    return manifest.record()
 
 
 RENAMERS = 16  # threads: a rename on a network filesystem is a round trip to its server, which they overlap
@@ -624,14 +573,14 @@ def reopen(output: Path, rows: list[int]) -> ExtractConfig:
     """Delete the given rows' files and make the output an unfinished run again; returns the recorded
     config, whose rerun rewrites just those rows."""
     output = Path(output)
-    manifest = read_manifest(output)
-    if not isinstance(manifest.get("identity"), dict) or not isinstance(manifest.get("config"), dict):
+    manifest = Manifest.read(output)
+    if not isinstance(manifest.identity, dict) or not isinstance(manifest.config, dict):
         raise ExtractError(
             f"{output}'s manifest, from an earlier eagle-extract, records no run to repeat; rerun the "
             "extraction with --overwrite"
         )
     for i in rows:
-        hidden_state_path(output, i, manifest.get("format") == LEGACY).unlink(missing_ok=True)
-    write_record(output / RUN_FILE, manifest["identity"])  # the output is an unfinished run again ...
+        hidden_state_path(output, i, manifest.format == LEGACY).unlink(missing_ok=True)
+    write_record(output / RUN_FILE, manifest.identity)  # the output is an unfinished run again ...
     (output / MANIFEST).unlink()  # ... and no longer looks complete
-    return ExtractConfig.from_options(**{**manifest["config"], "output": output, "shard": None})
+    return ExtractConfig.from_options(**{**manifest.config, "output": output, "shard": None})

@@ -23,6 +23,7 @@ from .errors import ExtractError
 from .formats import read_rows
 from .interrupts import stop_on_signals
 from .lock import REPLICA_ENV
+from .manifest import MANIFEST, read_manifest
 from .output import (
     already_complete,
     claimed,
@@ -41,7 +42,6 @@ from .run import run
 from .runlog import PROGRESS_FILE, progress, shared_progress
 from .shards import SHARDS_DIR
 from .stream import expected_rows, first_chunks, first_counts
-from .writer import MANIFEST, read_manifest
 
 
 def device_slices(dp: int, tp: int, pp: int = 1) -> list[dict]:

@@ -23,11 +23,11 @@ from .errors import ExtractError, engine_errors
 from .formats import BadRow
 from .model_nav import refuse_unfound_decoder
 from .plan import Plan, make_plan
+from .rowfile import HIDDEN_DIR, completed_rows, header_dtype, header_problem, hidden_state_path
 from .runlog import RunLog, progress, share_progress
 from .stages import PartJoiner, check_layout
 from .store import TokenStore, store_name
 from .watch import HEARTBEAT_S, EngineWatch
-from .writer import HIDDEN_DIR, completed_rows, hidden_state_path
 
 
 def run(cfg: ExtractConfig, log=print) -> dict:
@@ -250,7 +250,7 @@ def _damaged(plan: Plan, key: int, tokens: int) -> bool:
     """Whether the kept file of row `key` is not whole (a power cut can leave a final name on a torn or empty
     file); deleted, to be written again."""
     path = hidden_state_path(shards.rows_folder(plan.cfg.output, plan.shard), key, plan.cfg.legacy)
-    if out.kept_file_problem(path, tokens, len(plan.slot_ids), plan.shape.hidden_size, plan.cfg.legacy):
+    if header_problem(path, tokens, len(plan.slot_ids), plan.shape.hidden_size, plan.cfg.legacy):
         path.unlink(missing_ok=True)
         return True
     return False
@@ -395,7 +395,7 @@ def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, 
                 written += 1
 
     def check_dtype(index: int) -> None:
-        kept_as = out.kept_dtype(folder, index) if not (cfg.fp8 or cfg.legacy) else None
+        kept_as = header_dtype(folder, index) if not (cfg.fp8 or cfg.legacy) else None
         if kept_as and kept_as != writers[0]["dtype"]:
             raise ExtractError(
                 f"the engine runs in {writers[0]['dtype']}, but the {len(done)} rows already written are {kept_as}; "

@@ -39,10 +39,10 @@ from .interrupts import interrupted, note_interrupt
 from .model_nav import refuse_unfound_decoder
 from .plan import model_layers
 from .preflight import check_options, check_weights, load_tokenizer
+from .rowfile import hidden_state_path
 from .run import drain_workers
 from .runlog import RunLog
 from .watch import EngineWatch
-from .writer import hidden_state_path
 
 SPOOL_SHARE = 0.5  # of the spool filesystem's free space, the default --spool-bytes
 SERVE_LENGTH = 32767  # the longest prompt served without --seq-length, where the model's context is longer

@@ -5,7 +5,7 @@ holds to OUT/.pp_parts/layers_{start}-{end}/hidden_states/hs_{i}.safetensors.  O
 has written a row, the driver joins the parts into the row's final file (in the requested
 storage format) and deletes them, so the output is laid out exactly as a one-stage run's and a
 final name still only ever holds a whole row.  Part files record their slots' layer ids and a
-checksum as rows do (writer.py): the joiner checks each part against its checksum and records the
+checksum as rows do (rowfile.py): the joiner checks each part against its checksum and records the
 parts' layer ids, in slot order, in the joined row.
 """
 
@@ -18,15 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .writer import (
-    HIDDEN_DIR,
-    LAYER_IDS,
-    changed_since_written,
-    hidden_state_path,
-    read_row,
-    write_hidden_states,
-    write_legacy,
-)
+from .rowfile import HIDDEN_DIR, LAYER_IDS, changed_since_written, hidden_state_path, read_row
+from .writer import write_hidden_states, write_legacy
 
 PARTS_DIR = ".pp_parts"
 

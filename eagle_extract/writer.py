@@ -2,25 +2,10 @@
 
     DIR/                       Arrow dataset: input_ids, loss_mask, seq_len (torch format)
     DIR/token_freq.pt          {token_id: count} over loss-mask tokens
-    DIR/hidden_states/hs_{i}.safetensors   hidden_states [T, K, H], token_ids int64 [T]
-    DIR/eagle_extract.json     manifest, written last: its presence marks the output complete
+    DIR/hidden_states/hs_{i}.safetensors   one row's states (rowfile.py: its layout and header)
+    DIR/eagle_extract.json     manifest, written last: its presence marks the output complete (manifest.py)
 
-With `--format speculators-legacy` (speculators 0.3/0.4) each row is instead DIR/data_{i}.pt,
-a torch.save'd {"input_ids", "hidden_states": [K tensors of [T, H]], "loss_mask"}.
-
-Every row records what `verify` needs to see that it changed or belongs to other layers: in
-hs_{i}.safetensors' header metadata (which speculators and safetensors' load_file ignore), in
-data_{i}.pt under the key "eagle_extract" (speculators 0.3/0.4 read only the three keys above), two
-strings:
-
-    slot_layer_ids   each slot's layer id in vLLM's convention (layers.py), "2,15,27,30": the
-                     final slot is num_hidden_layers; data_{i}.pt too (not its legacy numbering)
-    checksum         "xxh3_128:<hex>" of the slot_layer_ids string, then of each tensor's raw bytes
-                     in the order of the tensors' names (data_{i}.pt: "hidden_states.{k}" per slot)
-
-The bytes hashed are those the file holds, so `verify` hashes the tensors it reads anyway.  xxh3-128
-hashes about 14 GB/s on one core here and releases the GIL, so writer threads hash in parallel, far
-faster than a disk writes.  A hand-edit of a row's layer ids breaks its checksum.
+With `--format speculators-legacy` (speculators 0.3/0.4) each row is instead DIR/data_{i}.pt.
 
 Every file is written under a dot-prefixed temporary name and renamed into place, so a
 crash never leaves a partial file under a final name.
@@ -28,75 +13,19 @@ crash never leaves a partial file under a final name.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
-import re
 import shutil
 import tempfile
 import threading
 from pathlib import Path
 
 import torch
-import xxhash
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .atomic import fsync, write_atomically, write_record
-from .errors import ExtractError
+from .atomic import fsync, write_atomically
 from .fp8 import SCALES, to_fp8
-
-HIDDEN_DIR = "hidden_states"
-MANIFEST = "eagle_extract.json"
-LAYER_IDS = "slot_layer_ids"  # row metadata keys
-CHECKSUM = "checksum"
-LEGACY_RECORD = "eagle_extract"  # data_{i}.pt's key for the row metadata
-
-
-class ManifestError(ExtractError, ValueError):
-    pass
-
-
-def layer_ids_text(layer_ids: list[int]) -> str:
-    return ",".join(map(str, layer_ids))
-
-
-def checksum(tensors: dict[str, torch.Tensor], layer_ids: str) -> str:
-    """xxh3-128 of `layer_ids` and the tensors' bytes in name order, read in place (no copy)."""
-    digest = xxhash.xxh3_128(layer_ids.encode())
-    for name in sorted(tensors):
-        digest.update(tensors[name].reshape(-1).view(torch.uint8).numpy())
-    return f"xxh3_128:{digest.hexdigest()}"
-
-
-def row_metadata(tensors: dict[str, torch.Tensor], layer_ids: list[int] | None) -> dict[str, str]:
-    """What a row records about itself; without `layer_ids` (a writer not told them) the checksum only."""
-    ids = "" if layer_ids is None else layer_ids_text(layer_ids)
-    meta = {CHECKSUM: checksum(tensors, ids)}
-    if layer_ids is not None:
-        meta[LAYER_IDS] = ids
-    return meta
-
-
-def changed_since_written(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str | None:
-    """The checksum the data gives now, when it is not the recorded one; None when it is, or when the
-    row records none (written by an eagle-extract before checksums)."""
-    if CHECKSUM not in metadata:
-        return None
-    now = checksum(tensors, metadata.get(LAYER_IDS, ""))
-    return None if now == metadata[CHECKSUM] else now
-
-
-def read_row(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """A hs_{i}.safetensors file's tensors and metadata, from one read of the file."""
-    with safe_open(str(path), "pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
-
-
-def hidden_state_path(output: Path, index: int, legacy: bool = False) -> Path:
-    if legacy:
-        return Path(output) / f"data_{index}.pt"
-    return Path(output) / HIDDEN_DIR / f"hs_{index}.safetensors"
+from .rowfile import HIDDEN_DIR, LEGACY_RECORD, hidden_state_path, legacy_tensors, row_metadata
 
 
 def write_hidden_states(
@@ -124,12 +53,6 @@ def write_hidden_states(
     meta = row_metadata(tensors, layer_ids)
     path = hidden_state_path(output, index)
     write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), nbytes, durable=durable)
-
-
-def legacy_tensors(sample: dict) -> dict[str, torch.Tensor]:
-    """A data_{i}.pt sample's tensors by name, as its checksum covers them."""
-    slots = {f"hidden_states.{k}": t for k, t in enumerate(sample["hidden_states"])}
-    return {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"], **slots}
 
 
 def write_legacy(
@@ -251,16 +174,6 @@ class BackgroundWriter:
             t.join()
 
 
-def completed_rows(output: Path, legacy: bool = False) -> set[int]:
-    """Rows whose hidden-state file is complete (a final name is only ever a whole file)."""
-    folder = Path(output) if legacy else Path(output) / HIDDEN_DIR
-    if not folder.is_dir():
-        return set()
-    pattern = r"data_(\d+)\.pt" if legacy else r"hs_(\d+)\.safetensors"
-    names = (re.fullmatch(pattern, p.name) for p in folder.iterdir())
-    return {int(m.group(1)) for m in names if m}
-
-
 def write_dataset(output: Path, rows, freq: dict[int, int]) -> None:
     """Write the Arrow rows (a `datasets.Dataset` of input_ids, loss_mask and seq_len, mapped from the token
     store, so it is copied batch by batch) and token_freq.pt, which speculators' trainer reads beside
@@ -276,22 +189,3 @@ def write_dataset(output: Path, rows, freq: dict[int, int]) -> None:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     write_atomically(output / "token_freq.pt", lambda tmp: torch.save(freq, tmp), durable=True)
-
-
-def write_manifest(output: Path, manifest: dict) -> None:
-    write_record(Path(output) / MANIFEST, manifest)
-
-
-def read_manifest(output: Path) -> dict:
-    """The manifest as a JSON object; a damaged or hand-broken one raises ManifestError (one line)."""
-    path = Path(output) / MANIFEST
-    fix = "restore it from a copy, or rerun the extraction with --overwrite"
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ManifestError(f"{path} is not valid JSON ({exc.msg}, line {exc.lineno} col {exc.colno}): {fix}") from None
-    except UnicodeDecodeError:
-        raise ManifestError(f"{path} is not text: {fix}") from None
-    if not isinstance(manifest, dict):
-        raise ManifestError(f"{path} is JSON but not an object: {fix}")
-    return manifest

@@ -11,16 +11,11 @@ from safetensors.torch import save_file
 
 from eagle_extract.checks import find_problems
 from eagle_extract.data import Sample
+from eagle_extract.manifest import write_manifest
+from eagle_extract.rowfile import hidden_state_path, read_row
 from eagle_extract.stages import join_row, part_root
 from eagle_extract.store import DatasetRows, TokenStore
-from eagle_extract.writer import (
-    hidden_state_path,
-    read_row,
-    write_dataset,
-    write_hidden_states,
-    write_legacy,
-    write_manifest,
-)
+from eagle_extract.writer import write_dataset, write_hidden_states, write_legacy
 
 AUX, FINAL, HIDDEN = [2, 15, 27], 30, 8
 SLOTS = AUX + [FINAL]
@@ -241,7 +236,7 @@ def test_rows_written_before_rows_recorded_checksums_still_pass(tmp_path):
 def test_a_header_that_lost_its_checksum_cannot_hide_a_changed_byte(tmp_path):
     """Dropping the key and flipping a state bit: the row still records its layer ids, which the same
     release writes with the checksum; and the manifest of this release says every row carries one."""
-    from eagle_extract.checks import NO_CHECKSUM
+    from eagle_extract.rowfile import NO_CHECKSUM
 
     out, manifest = make_output(tmp_path)
     path = hidden_state_path(out, 1)
@@ -272,18 +267,18 @@ def test_joined_pipeline_rows_record_every_slot_and_parts_are_checked(tmp_path):
 
 @pytest.mark.parametrize("legacy", [False, True])
 def test_a_resume_finds_what_a_power_cut_leaves_by_the_headers(tmp_path, legacy):
-    from eagle_extract.output import kept_file_problem
+    from eagle_extract.rowfile import header_problem
 
     out, _ = make_output(tmp_path, legacy)
     path = hidden_state_path(out, 0, legacy)
     whole = path.read_bytes()
-    assert kept_file_problem(path, len(INPUT_IDS[0]), len(SLOTS), HIDDEN, legacy) is None
+    assert header_problem(path, len(INPUT_IDS[0]), len(SLOTS), HIDDEN, legacy) is None
     for torn in (whole[:-10], b"", whole[:20]):  # cut short, emptied, cut inside the header
         path.write_bytes(torn)
-        assert kept_file_problem(path, len(INPUT_IDS[0]), len(SLOTS), HIDDEN, legacy), len(torn)
+        assert header_problem(path, len(INPUT_IDS[0]), len(SLOTS), HIDDEN, legacy), len(torn)
     if not legacy:  # a whole file of another run's shape
         path.write_bytes(whole)
-        assert "the run writes [5, 4, 16]" in kept_file_problem(path, 5, len(SLOTS), 16, legacy)
+        assert "the run writes [5, 4, 16]" in header_problem(path, 5, len(SLOTS), 16, legacy)
 
 
 def _verify_cli(out) -> tuple[int, list[str]]:

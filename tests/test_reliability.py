@@ -19,9 +19,10 @@ from safetensors.torch import load_file, save_file
 
 from eagle_extract import verify
 from eagle_extract.lock import MAIN
+from eagle_extract.manifest import read_manifest
 from eagle_extract.output import LOG, REPLACEMENT, RUN_FILE
+from eagle_extract.rowfile import LAYER_IDS, hidden_state_path, read_row, row_metadata
 from eagle_extract.store import STORE
-from eagle_extract.writer import LAYER_IDS, hidden_state_path, read_manifest, read_row, row_metadata
 
 from .common import assert_documented, load_row, rel_err
 from .conftest import BUDGET, run_cli

@@ -11,8 +11,9 @@ from safetensors.torch import load_file
 from eagle_extract.capture import StepCapture
 from eagle_extract.hostmem import ByteBudget
 from eagle_extract.model_nav import find_decoder
+from eagle_extract.rowfile import hidden_state_path
 from eagle_extract.stages import PARTS_DIR, PartJoiner, check_layout, part_root, stage_slots
-from eagle_extract.writer import BackgroundWriter, hidden_state_path
+from eagle_extract.writer import BackgroundWriter
 
 from .common import _ToyLayer
 
@@ -156,7 +157,7 @@ def test_joined_rows_take_the_requested_format(tmp_path):
 def test_a_full_disk_while_joining_is_one_line_and_leaves_no_partial_row(tmp_path, small_disk):
     from safetensors.torch import save_file
 
-    from eagle_extract.writer import completed_rows
+    from eagle_extract.rowfile import completed_rows
 
     writers = []
     for start, end, slots in ((0, 4, [0, 1]), (4, 8, [2, 3])):

@@ -194,7 +194,7 @@ def test_a_streamed_run_writes_what_the_in_memory_rows_say(tmp_path, stream_rows
     from datasets import load_from_disk
 
     from eagle_extract import verify
-    from eagle_extract.writer import read_manifest
+    from eagle_extract.manifest import read_manifest
 
     from .common import Reference, load_row, rel_err
 

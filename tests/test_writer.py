@@ -11,15 +11,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from eagle_extract import writer
-from eagle_extract.writer import (
-    BackgroundWriter,
-    changed_since_written,
-    checksum,
-    hidden_state_path,
-    legacy_tensors,
-    read_row,
-    write_hidden_states,
-)
+from eagle_extract.rowfile import changed_since_written, checksum, hidden_state_path, legacy_tensors, read_row
+from eagle_extract.writer import BackgroundWriter, write_hidden_states
 
 
 def test_file_round_trip(tmp_path):
