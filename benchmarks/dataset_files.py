@@ -21,8 +21,8 @@ import threading
 import time
 from pathlib import Path
 
+from eagle_extract.completion import _name_by_index
 from eagle_extract.data import Sample, Skipped
-from eagle_extract.output import _name_by_index
 from eagle_extract.rowfile import hidden_state_path
 from eagle_extract.shards import rows_folder
 from eagle_extract.store import DatasetRows, TokenStore

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import output as out
+from . import completion
 from .checks import find_problems
 from .config import ExtractConfig
 from .errors import ExtractError
@@ -49,7 +49,7 @@ class Summary:
     @property
     def skipped_rows(self) -> Path | None:
         """The file listing each skipped row and why, when rows were skipped."""
-        return self.output / out.SKIPPED if self.skipped else None
+        return self.output / completion.SKIPPED if self.skipped else None
 
     @classmethod
     def of(cls, result: dict, output: Path) -> Summary:
@@ -134,7 +134,7 @@ def verify(output, progress: bool = False) -> Report:
 
 def merge(output) -> Summary:
     """Complete a sharded output once every shard has finished."""
-    return Summary.of(out.merge(_folder(output)), output)
+    return Summary.of(completion.merge(_folder(output)), output)
 
 
 def repair(output, rows: list[int], log=print) -> Summary:
@@ -145,7 +145,7 @@ def repair(output, rows: list[int], log=print) -> Summary:
         raise ExtractError("no manifest to repair from: rerun the original extraction command to resume it")
     log(f"repairing {len(rows)} row(s)")
     with holding(output):  # before a file is deleted; the run inside holds it on
-        summary = Summary.of(run(out.reopen(output, rows), log=log), output)
+        summary = Summary.of(run(completion.reopen(output, rows), log=log), output)
     remaining = find_problems(output, progress=False)
     if remaining:
         raise ExtractError(f"{len(remaining)} problem(s) remain after repair; first: {remaining[0][1]}")

@@ -17,6 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from .completion import merge
 from .config import ExtractConfig
 from .engine import cpu_thread_binding
 from .errors import ExtractError
@@ -31,7 +32,6 @@ from .output import (
     forget_other_counts,
     identical_complete,
     log_name,
-    merge,
     prepare_output,
     refuse_foreign_rows,
     replace_complete,

@@ -16,6 +16,7 @@ from pathlib import Path
 from . import output as out
 from . import preflight, regenerate, shards, stream
 from .capture_spec import CaptureSpec, host_bytes_per_rank
+from .completion import complete, complete_shard
 from .config import ExtractConfig
 from .data import read_records
 from .engine import start_engine
@@ -203,11 +204,11 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
         "capture": stats,
     }
     if plan.shard is None:
-        manifest = out.complete(plan, [store], [this_run], regenerated)
+        manifest = complete(plan, [store], [this_run], regenerated)
         out.finish_run(output, None)
         return manifest
     summary = {"shard": cfg.shard, "identity": plan.identity, "config": cfg.record(), **this_run}
-    return out.complete_shard(plan, store, summary, log)
+    return complete_shard(plan, store, summary, log)
 
 
 def source_bytes(path: Path) -> int:

@@ -1,0 +1,262 @@
+"""Completing an output: the dataset files, token_freq.pt and, last, the manifest; the shards' row files
+renamed to their dataset indices; a finished shard recorded, and the shards merged by whoever finishes
+last (or `merge`); and, for a repair, a complete output reopened as an unfinished run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from . import lock, shards
+from .atomic import fsync, write_atomically, write_record
+from .config import LEGACY, ExtractConfig
+from .errors import ExtractError
+from .layers import CONVENTION, legacy_layer_ids
+from .manifest import MANIFEST, OFFLINE, Manifest
+from .output import RUN_FILE, finish_run, remove_leftovers
+from .plan import Plan, make_plan
+from .rowfile import HIDDEN_DIR, completed_rows, hidden_state_path
+from .store import DatasetRows, TokenStore, store_name
+from .version import __version__
+from .writer import write_dataset
+
+SKIPPED = "skipped_rows.jsonl"
+
+
+def _versions() -> dict:
+    import torch
+    import transformers
+    import vllm
+
+    return {
+        "eagle_extract": __version__,
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerated) -> dict:
+    """Write the dataset files (from the token stores: the run's, or every shard's) and, last, the manifest:
+    the output now looks complete.  A sharded completion that fails lets the next one (`merge`) try."""
+    try:
+        return _complete(plan, stores, runs, regenerated)
+    except BaseException:
+        if plan.shard:
+            shards.release_completion(plan.cfg.output)
+        raise
+
+
+def _complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerated) -> dict:
+    cfg, shape, output = plan.cfg, plan.shape, Path(plan.cfg.output)
+    finish = f"run `eagle-extract merge {output}` to finish" if plan.shard else "rerun to finish"
+    rows = DatasetRows(stores)
+    counts = rows.counts
+    if not counts["samples"]:  # only shards get here with none: each of them saw its own rows only
+        row, why = next(rows.skipped(), (None, "the source is empty"))
+        raise ExtractError(
+            f"no usable rows in {cfg.data}: every shard skipped all of its rows (first: row {row}, {why}); "
+            f"fix the data, empty {output} and run the shards again"
+        )
+    engines = {r["capture"].get("dtype") for r in runs if isinstance(r.get("capture"), dict)} - {None}
+    if len(engines) > 1:
+        raise ExtractError(
+            f"the shards' engines ran in different dtypes ({', '.join(sorted(engines))}, --dtype {cfg.dtype}), so "
+            "their rows differ in dtype; rerun every shard into a new output with --dtype set to one of them"
+        )
+    dtype = engines.pop() if engines else plan.dtype  # the engine's: --dtype auto may not be config.json's
+    _name_by_index(output, rows, cfg.legacy, len(runs) if plan.shard else None, finish, cfg.states == "all")
+    try:
+        write_dataset(output, rows.dataset(), rows.token_freq())
+    except OSError as exc:
+        raise ExtractError(f"writing the dataset files in {output}: {exc.strerror or exc}; {finish}") from None
+    extract_s = max(r["extract_s"] for r in runs)
+    manifest = Manifest(
+        format=LEGACY if cfg.legacy else OFFLINE,
+        states=cfg.states,
+        row_checksums=True,
+        identity=plan.identity,
+        config=cfg.record(),
+        model=str(cfg.model),
+        aux_layer_ids=plan.aux_ids,
+        final_layer_id=shape.num_layers,
+        slot_layer_ids=plan.slot_ids,
+        layer_convention=CONVENTION,
+        legacy_layer_ids=legacy_layer_ids(plan.slot_ids) if cfg.legacy else None,
+        dtype=dtype,
+        storage_dtype="float8_e4m3fn" if cfg.fp8 else dtype,
+        hidden_size=shape.hidden_size,
+        num_samples=counts["samples"],
+        num_tokens=counts["tokens"],
+        num_loss_tokens=counts["loss_tokens"],
+        seq_length=cfg.seq_length,
+        truncated=counts["truncated"],
+        skipped=counts["skipped"],
+        skipped_long=counts["skipped_long"],
+        regenerated=regenerated,
+        source_row_ranges=rows.source_row_ranges(),
+        data={"path": str(cfg.data), "sha256": plan.identity["data_sha256"], "format": cfg.data_format},
+        tensor_parallel_size=cfg.tp,
+        pipeline_parallel_size=cfg.pp,
+        engine_args=cfg.engine_kwargs(),
+        shards=len(runs) if plan.shard else None,
+        resumed_rows=sum(r["resumed_rows"] for r in runs),
+        redone_rows=sum(r.get("redone_rows", 0) for r in runs),
+        tokenized_rows=sum(r.get("tokenized_rows", 0) for r in runs),
+        waited_for_tokens_s=max(r.get("waited_for_tokens_s", 0.0) for r in runs),
+        capture=runs[0]["capture"] if len(runs) == 1 else [r["capture"] for r in runs],
+        timing={
+            "engine_start_s": max(r["engine_start_s"] for r in runs),
+            "extract_s": extract_s,
+            "tokens_per_s": round(sum(r["tokens"] for r in runs) / extract_s, 1) if extract_s else 0.0,
+        },
+        bytes_written=_bytes_written(output, counts["samples"], cfg.legacy, cfg.states == "all"),
+        versions=_versions(),
+    )
+    try:
+        _write_skip_report(output, rows, counts["skipped"])
+        manifest.write(output)
+    except OSError as exc:
+        raise ExtractError(f"writing the manifest in {output}: {exc.strerror or exc}; {finish}") from None
+    remove_leftovers(output)
+    shards.release_completion(output)
+    return manifest.record()
+
+
+RENAMERS = 16  # threads: a rename on a network filesystem is a round trip to its server, which they overlap
+
+
+def _bytes_written(output: Path, samples: int, legacy: bool, every_row: bool) -> int:
+    """Of the rows' files; with --states none (not `every_row`) rows may have none."""
+    total = 0
+    for i in range(samples):
+        try:
+            total += hidden_state_path(output, i, legacy).stat().st_size
+        except FileNotFoundError:
+            if every_row:
+                raise
+    return total
+
+
+def _name_by_index(
+    output: Path, rows: DatasetRows, legacy: bool, num_shards: int | None, finish: str, every_row: bool = True
+) -> None:
+    """Every row's file under its dataset index: the shards' files, named by source row, are renamed (in
+    threads: on a network filesystem a rename is a round trip).  A completion cut midway is redone: a file
+    already renamed is found under its index.  Unless `every_row` (--states none), rows may have none."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder = output / shards.ROWS_DIR
+    by_row, by_index = completed_rows(folder, legacy) if num_shards else set(), completed_rows(output, legacy)
+    source = rows.source_rows.tolist()
+    missing = [i for i, r in enumerate(source) if r not in by_row and i not in by_index]
+    if missing and every_row:
+        row = source[missing[0]]
+        shard = f"{row % num_shards}/{num_shards}" if num_shards else None
+        fix = f"rerun the --shard {shard} job (or the --dp {num_shards} command)" if shard else finish
+        raise ExtractError(
+            f"{len(missing)} rows have no hidden-state file (first: row {missing[0]}, source row {row}); {fix}"
+        )
+    moves = [(r, i) for i, r in enumerate(source) if r in by_row]
+    if not moves:
+        return
+
+    def move(part: list[tuple[int, int]]) -> None:
+        for row, index in part:
+            os.replace(hidden_state_path(folder, row, legacy), hidden_state_path(output, index, legacy))
+
+    (output / HIDDEN_DIR).mkdir(exist_ok=True)
+    try:
+        with ThreadPoolExecutor(RENAMERS) as pool:  # a slice each: a future per file costs more than a rename
+            list(pool.map(move, [moves[k::RENAMERS] for k in range(RENAMERS)]))
+        fsync(output if legacy else output / HIDDEN_DIR)  # the new names on the disk before the manifest
+    except OSError as exc:
+        raise ExtractError(f"renaming the shards' row files in {output}: {exc.strerror or exc}; {finish}") from None
+
+
+def _write_skip_report(output: Path, rows: DatasetRows, skipped: int) -> None:
+    def save(tmp: Path) -> None:
+        with open(tmp, "w") as f:
+            for row, why in rows.skipped():
+                f.write(json.dumps({"row": row, "reason": why}) + "\n")
+
+    if skipped:
+        write_atomically(output / SKIPPED, save, durable=True)
+        fsync(output)
+
+
+def complete_shard(plan: Plan, store: TokenStore, summary: dict, log) -> dict:
+    """Record a finished shard, and complete the dataset when every shard has finished and no other job
+    is doing it; returns the manifest, or the shard's summary with "complete": False."""
+    output, num = Path(plan.cfg.output), plan.shard[1]
+    shards.record_finished(output, plan.shard, summary)
+    finish_run(output, plan.shard)
+    runs = shards.finished(output, num)
+    if len(runs) < num or not shards.claim_completion(output):
+        waiting = sorted(set(range(num)) - set(runs))
+        log(f"shard {plan.cfg.shard} done; waiting for shard(s) {', '.join(f'{k}/{num}' for k in waiting) or 'none'}")
+        return {**summary, "complete": False, "waiting_for": waiting}
+    log(f"shard {plan.cfg.shard} done, and the last: completing the dataset")
+    return complete(plan, _shard_stores(output, num), [runs[k] for k in range(num)], None)
+
+
+def _shard_stores(output: Path, num: int) -> list[TokenStore]:
+    """Every shard's token store, each holding its rows to the end (they make the dataset together)."""
+    stores = [TokenStore(output / store_name((k, num)), change=False) for k in range(num)]
+    cut = [k for k, store in enumerate(stores) if not store.ended]
+    if cut:
+        shards.release_completion(output)
+        raise ExtractError(
+            f"{output}: shard {cut[0]}/{num}'s token store is not whole, so the dataset files cannot be written; "
+            f"rerun that shard's command (--shard {cut[0]}/{num}): it finds its rows written and completes the output"
+        )
+    return stores
+
+
+def merge(output: Path) -> dict:
+    """Complete a sharded output once every shard has finished (`eagle-extract merge`); refused while
+    a shard still runs."""
+    output = Path(output)
+    with lock.holding(output):
+        return _merge(output)
+
+
+def _merge(output: Path) -> dict:
+    if (output / MANIFEST).exists():
+        raise ExtractError(f"{output} is already complete; check it with `eagle-extract verify {output}`")
+    summary = shards.any_summary(output)
+    if summary is None:
+        raise ExtractError(f"{output} holds no finished shard; run the shards (--shard I/N) first")
+    num = shards.parse_shard(summary["shard"])[1]
+    runs = shards.finished(output, num)
+    missing = sorted(set(range(num)) - set(runs))
+    if missing:
+        names = ", ".join(f"{k}/{num}" for k in missing)
+        raise ExtractError(
+            f"shard(s) {names} of {output} have not finished; run them (--shard {missing[0]}/{num}), then merge again"
+        )
+    config = ExtractConfig.from_options(**{**summary["config"], "output": output})
+    plan = make_plan(config, engine=False)  # merging starts no engine: the shards checked its arguments
+    shards.release_completion(output)  # an earlier completer that died left its lock
+    stores = _shard_stores(output, num)
+    shards.claim_completion(output)
+    return complete(plan, stores, [runs[k] for k in range(num)], None)
+
+
+def reopen(output: Path, rows: list[int]) -> ExtractConfig:
+    """Delete the given rows' files and make the output an unfinished run again; returns the recorded
+    config, whose rerun rewrites just those rows."""
+    output = Path(output)
+    manifest = Manifest.read(output)
+    if not isinstance(manifest.identity, dict) or not isinstance(manifest.config, dict):
+        raise ExtractError(
+            f"{output}'s manifest, from an earlier eagle-extract, records no run to repeat; rerun the "
+            "extraction with --overwrite"
+        )
+    for i in rows:
+        hidden_state_path(output, i, manifest.format == LEGACY).unlink(missing_ok=True)
+    write_record(output / RUN_FILE, manifest.identity)  # the output is an unfinished run again ...
+    (output / MANIFEST).unlink()  # ... and no longer looks complete
+    return ExtractConfig.from_options(**{**manifest.config, "output": output, "shard": None})
