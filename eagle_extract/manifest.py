@@ -49,6 +49,8 @@ POSITIVE, NON_NEGATIVE, IDS, OBJECT = "a positive integer", "a non-negative inte
 
 @dataclass(kw_only=True)
 class Manifest:
+    """Every field of the manifest, in the order written; the comments say what the less plain ones hold."""
+
     format: str = _field(lambda v: v in FORMATS, " or ".join(map(json.dumps, FORMATS)), default=OFFLINE)
     states: str = _field(default="all")  # "none": rows without a file get their states from `eagle-extract serve`
     row_checksums: bool = _field(default=False)  # every row's header carries one: verify refuses a row without
