@@ -409,7 +409,7 @@ class Capture:
         except ValueError as exc:
             model = self.installed[0]["model_class"]
             raise ExtractError(f"{exc}; report this as a bug with the model class {model}") from None
-        self.legacy, self.joiner, self.masks = cfg.legacy, None, None
+        self.cfg, self.joiner, self.masks = cfg, None, None
         if any(w["part"] for w in self.writers):  # pipeline stages: join their part files into rows
             self.masks = {} if cfg.legacy else None  # the legacy rows' loss masks, each until its row is joined
             self.joiner = PartJoiner(self.folder, self.writers, cfg.fp8, self.masks)
@@ -418,9 +418,9 @@ class Capture:
         self.handed = self.written = 0
         self.redo: list[int] = []  # rows to run again alone
 
-    def refuse_other_dtype(self, cfg: ExtractConfig, done: set[int]) -> None:
+    def refuse_other_dtype(self, done: set[int]) -> None:
         """The rows already in the folder and the engine's must be of one dtype."""
-        kept_as = out.kept_dtype(self.folder, min(done)) if not (cfg.fp8 or cfg.legacy) else None
+        kept_as = out.kept_dtype(self.folder, min(done)) if not (self.cfg.fp8 or self.cfg.legacy) else None
         runs_as = self.writers[0]["dtype"]
         if kept_as and kept_as != runs_as:
             raise ExtractError(
@@ -474,7 +474,7 @@ class Capture:
 
         if self.masks is not None:
             self.masks.update((i, mask) for i, _, mask in batch)
-        batch_masks = [(i, mask) for i, _, mask in batch] if self.legacy else None
+        batch_masks = [(i, mask) for i, _, mask in batch] if self.cfg.legacy else None
         llm.collective_rpc("eagle_expect", args=([(i, ids) for i, ids, _ in batch], batch_masks))
         llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _ in batch], self.params, use_tqdm=False)
         got = self._drain(llm, wait=False)
@@ -511,7 +511,7 @@ def _capture(llm, plan: Plan, todo: Todo, batches, total: int, note, watch: Engi
     estimated row count, for the progress display."""
     capture = Capture(llm, plan)
     if todo.done:
-        capture.refuse_other_dtype(plan.cfg, todo.done)
+        capture.refuse_other_dtype(todo.done)
     watch.beat()
     history = [(0, 0)]  # (settled, unmatched) rows after each batch
     t1 = time.perf_counter()
