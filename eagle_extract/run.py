@@ -2,7 +2,8 @@
 
 Plan, tokenize the first rows and estimate the disk, prepare the output, start tokenizing the rest into
 the token store, start the engine, feed it the store's rows as they come, complete the output (or
-this shard of it).
+this shard of it).  `Todo` reads the rows still to write from the store as it fills; `Capture` hands them to
+the engine's workers and settles the rows they write.
 """
 
 from __future__ import annotations
@@ -107,19 +108,12 @@ def _extract(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch) -> 
 
 
 def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch) -> dict:
+    """Tokenize, capture and complete.  The engine is started here and let go here: no other frame, not even a
+    helper's, may hold it (a traceback vLLM keeps from its start holds the frames that started it)."""
     cfg, output, log = plan.cfg, Path(plan.cfg.output), run_log.say
     (records, first, sized), rows = source, None
     llm, start_s, regenerated, tokenizing = None, 0.0, None, None
-    changed = None if cfg.overwrite else out.other_releases(output, plan.identity, plan.shard)
-    if changed:
-        log(f"warning: {changed}")
-    hidden = output / HIDDEN_DIR
-    if plan.shard and hidden.is_dir() and next(os.scandir(hidden), None) is not None:
-        log(
-            f"warning: {hidden} holds rows named by dataset index (an unsharded run's, shards' of an eagle-extract "
-            "before 2026-12-02, or a completion cut midway, which `eagle-extract merge` finishes); a shard does not "
-            "reuse them"
-        )
+    _warn_of_other_rows(plan, log)
     try:
         if records is not None:
             out.prepare_output(output, plan.identity, cfg.overwrite)
@@ -135,33 +129,20 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
             rows = sorted([(r.row, r) for r in answered] + bad, key=lambda t: t[0])
             first = stream.first_chunks(plan, rows)
             sized = _sized(plan, first, completed_rows(output, cfg.legacy), None)
-        expected, todo_tokens, expected_bytes, free = sized
         fresh = cfg.overwrite and not cfg.regenerate  # a regenerating run prepared (and cleared) the folder already
         done = out.prepare_output(output, plan.identity, fresh, plan.shard)
         store = TokenStore(output / store_name(plan.shard))
-        processes = cfg.tokenize_processes
-        if processes is None:
-            processes = stream.default_processes(0 if rows is not None else source_bytes(Path(cfg.data)), cfg.dp)
-        rows = rows if rows is not None else stream.job_rows(cfg, plan.shard)
-        tokenizing = stream.Tokenizing(store, rows, plan, processes, first)
+        tokenizing = _tokenizing(plan, store, rows, first)
         tokenizing.start()
         if done:
             log("checking the row files an interrupted run wrote")
-        kept, damaged, checked = _check_kept(plan, store, done)
-        done -= damaged
+        todo = Todo(plan, store, done)
+        expected = sized[0]
         mine = -(-expected // plan.shard[1]) if plan.shard else expected
-        part = f" (shard {cfg.shard}: about {mine} of them)" if plan.shard else ""
-        resumed = f"; resuming, {len(done) if plan.shard is None else kept} rows already written" if done else ""
-        resumed += f" ({len(damaged)} damaged files are written again)" if damaged else ""
-        log(
-            f"about {expected} samples{part}, tokenized as the engine runs ({processes or 'no'} worker processes); "
-            f"slots for layers {plan.slot_ids}; about {expected_bytes / 2**20:.1f} MiB of hidden states to write "
-            f"({free / 2**30:.1f} GiB free){resumed}"
-        )
+        log(_outlook(plan, sized, mine, tokenizing.processes, todo))
         if cfg.strict:  # every row is checked before the engine starts
             _wait_for_stream(store, log)
-        tally = {"kept": kept, "waited_s": 0.0}
-        batches = _todo(plan, store, done, checked, watch, tally)
+        batches = todo.batches(watch)
         with engine_errors(run_log.path):  # the stream's failures are one line here too
             first_batch = next(batches, None)  # None: nothing to write (a rerun of a finished shard, say): no engine
         stats, extract_s, handed, tokens, pending = {}, 0.0, 0, 0, set()
@@ -169,7 +150,7 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
             for batch in itertools.chain([first_batch], batches):
                 handed += len(batch)
                 tokens += sum(len(ids) for _, ids, _ in batch)
-            share_progress(tally["kept"] + handed)
+            share_progress(todo.kept + handed)
         elif first_batch is not None:
             with engine_errors(run_log.path):
                 if llm is None:
@@ -179,9 +160,8 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
                     llm = start_engine(cfg, min(cfg.seq_length + 1, context))  # room for the sampled token
                     start_s = _watched(llm, watch, t0)
                 batches = itertools.chain([first_batch], batches)
-                got = _capture(llm, plan, batches, done, mine, tally, run_log.note, watch)
+                got = _capture(llm, plan, todo, batches, mine, run_log.note, watch)
                 stats, extract_s, handed, tokens, pending = got
-        kept = tally["kept"]
     finally:
         if tokenizing is not None:
             tokenizing.stop()
@@ -196,19 +176,65 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
         "engine_start_s": round(start_s, 2),
         "extract_s": round(extract_s, 2),
         "tokens": tokens,
-        "rows": handed + kept,
-        "resumed_rows": kept,
-        "redone_rows": len(damaged),
+        "rows": handed + todo.kept,
+        "resumed_rows": todo.kept,
+        "redone_rows": len(todo.damaged),
         "tokenized_rows": store.read - tokenizing.kept,  # source rows this run tokenized
-        "waited_for_tokens_s": round(tally["waited_s"], 2),  # the engine idle, waiting for the stream
+        "waited_for_tokens_s": round(todo.waited_s, 2),  # the engine idle, waiting for the stream
         "capture": stats,
     }
+    return _complete(plan, store, this_run, regenerated, log)
+
+
+def _complete(plan: Plan, store: TokenStore, this_run: dict, regenerated, log) -> dict:
+    """The output completed, and its manifest; a shard: recorded as finished, and the output completed when it
+    is the last (else its summary, with "complete": False)."""
+    cfg = plan.cfg
     if plan.shard is None:
         manifest = complete(plan, [store], [this_run], regenerated)
-        out.finish_run(output, None)
+        out.finish_run(Path(cfg.output), None)
         return manifest
     summary = {"shard": cfg.shard, "identity": plan.identity, "config": cfg.record(), **this_run}
     return complete_shard(plan, store, summary, log)
+
+
+def _warn_of_other_rows(plan: Plan, log) -> None:
+    """Rows in the folder this run will not use: another release's, or (a shard's) rows named by dataset index."""
+    output = Path(plan.cfg.output)
+    changed = None if plan.cfg.overwrite else out.other_releases(output, plan.identity, plan.shard)
+    if changed:
+        log(f"warning: {changed}")
+    hidden = output / HIDDEN_DIR
+    if plan.shard and hidden.is_dir() and next(os.scandir(hidden), None) is not None:
+        log(
+            f"warning: {hidden} holds rows named by dataset index (an unsharded run's, shards' of an eagle-extract "
+            "before 2026-12-02, or a completion cut midway, which `eagle-extract merge` finishes); a shard does not "
+            "reuse them"
+        )
+
+
+def _tokenizing(plan: Plan, store: TokenStore, answered: list | None, first: list) -> stream.Tokenizing:
+    """The stream (not started yet) that fills `store`: from the regenerated rows when given, else from the
+    source."""
+    cfg, processes = plan.cfg, plan.cfg.tokenize_processes
+    if processes is None:
+        processes = stream.default_processes(0 if answered is not None else source_bytes(Path(cfg.data)), cfg.dp)
+    rows = answered if answered is not None else stream.job_rows(cfg, plan.shard)
+    return stream.Tokenizing(store, rows, plan, processes, first)
+
+
+def _outlook(plan: Plan, sized: tuple, mine: int, processes: int, todo: Todo) -> str:
+    """The line that opens the run: how much is coming, where it goes, what a resume keeps."""
+    expected, _, expected_bytes, free = sized
+    part = f" (shard {plan.cfg.shard}: about {mine} of them)" if plan.shard else ""
+    kept = len(todo.done) if plan.shard is None else todo.kept
+    resumed = f"; resuming, {kept} rows already written" if todo.done else ""
+    resumed += f" ({len(todo.damaged)} damaged files are written again)" if todo.damaged else ""
+    return (
+        f"about {expected} samples{part}, tokenized as the engine runs ({processes or 'no'} worker processes); "
+        f"slots for layers {plan.slot_ids}; about {expected_bytes / 2**20:.1f} MiB of hidden states to write "
+        f"({free / 2**30:.1f} GiB free){resumed}"
+    )
 
 
 def source_bytes(path: Path) -> int:
@@ -257,40 +283,50 @@ def _damaged(plan: Plan, key: int, tokens: int) -> bool:
     return False
 
 
-def _todo(plan: Plan, store: TokenStore, done: set[int], checked: int, watch: EngineWatch, tally: dict):
-    """This job's rows still to write, in batches of --batch-size, read from the store as the stream fills it.
-    A batch goes as soon as the store has nothing more for now.
-    `tally` counts the kept rows checked on the way ("kept") and the seconds spent waiting ("waited_s")."""
-    batch, number = [], 0
-    while True:
-        chunk = store.wait(number, timeout=0)
-        if chunk is None and batch:  # the engine gets what there is rather than wait for a whole batch
-            yield batch
-            batch = []
-            continue
-        if chunk is None:  # a stream that stops moving is a stall like an engine that does (--stall-timeout)
-            t0 = time.perf_counter()
-            chunk = store.wait(number)
-            tally["waited_s"] += time.perf_counter() - t0
-            watch.beat()
-        if chunk is None:  # the stream ended before chunk `number` (wait() looks again once it ended)
-            break
-        number += 1
-        if chunk.number < checked and done.issuperset(_keys(plan, store, chunk)):
-            continue  # written before, and checked: not read again
-        for index, row, ids, mask in store.rows(chunk):
-            key = row if plan.shard else index
-            if key in done and chunk.number < checked:
-                continue
-            if key in done and not _damaged(plan, key, len(ids)):
-                tally["kept"] += 1
-                continue
-            batch.append((key, ids, mask))
-            if len(batch) == plan.cfg.batch_size:
+class Todo:
+    """This job's rows still to write, read from the token store as the stream fills it.  The rows an earlier
+    run wrote are checked on the way (a damaged file is deleted and its row written again); `kept` counts
+    those found whole, `waited_s` the seconds spent waiting for the stream."""
+
+    def __init__(self, plan: Plan, store: TokenStore, done: set[int]) -> None:
+        self.plan, self.store = plan, store
+        self.kept, self.damaged, self.checked_chunks = _check_kept(plan, store, done)
+        self.done = done - self.damaged  # the rows already in the folder
+        self.waited_s = 0.0
+
+    def batches(self, watch: EngineWatch):
+        """Batches of --batch-size; a batch goes as soon as the store has nothing more for now."""
+        plan, store, batch, number = self.plan, self.store, [], 0
+        while True:
+            chunk = store.wait(number, timeout=0)
+            if chunk is None and batch:  # the engine gets what there is rather than wait for a whole batch
                 yield batch
                 batch = []
-    if batch:
-        yield batch
+                continue
+            if chunk is None:  # a stream that stops moving is a stall like an engine that does (--stall-timeout)
+                t0 = time.perf_counter()
+                chunk = store.wait(number)
+                self.waited_s += time.perf_counter() - t0
+                watch.beat()
+            if chunk is None:  # the stream ended before chunk `number` (wait() looks again once it ended)
+                break
+            number += 1
+            checked = chunk.number < self.checked_chunks  # its kept rows were checked already
+            if checked and self.done.issuperset(_keys(plan, store, chunk)):
+                continue  # written before, and checked: not read again
+            for index, row, ids, mask in store.rows(chunk):
+                key = row if plan.shard else index
+                if key in self.done and checked:
+                    continue
+                if key in self.done and not _damaged(plan, key, len(ids)):
+                    self.kept += 1
+                    continue
+                batch.append((key, ids, mask))
+                if len(batch) == plan.cfg.batch_size:
+                    yield batch
+                    batch = []
+        if batch:
+            yield batch
 
 
 def _watched(llm, watch: EngineWatch, t0: float) -> float:
@@ -347,137 +383,165 @@ def _check_matching(history: list[tuple[int, int]], first: int | None) -> None:
         )
 
 
-def _capture(llm, plan: Plan, batches, done: set[int], total: int, tally: dict, note, watch: EngineWatch) -> tuple:
-    """Stream the rows still to do through the engine; returns (capture stats, seconds, how many rows were
-    handed to the engine, their tokens, the rows handed but never written): the driver holds only the rows
-    in flight.  `note` puts each batch's counts in the run's log; `total` is
-    this job's estimated row count, for the progress display; `tally` is _todo's; `done`, the rows already
-    in the folder."""
-    kept = tally["kept"]
-    from vllm import SamplingParams, TokensPrompt
+class Capture:
+    """The capture installed on the engine's workers for one run: it hands the engine batches, settles the
+    rows the writers report written (for pipeline stages, once their part files are joined) and runs again,
+    each alone, the rows a step may have mixed up.  The engine is an argument of each call, never kept: a
+    failed run's frames are cleared so that the engine stops into the run's log, and nothing else may hold it."""
 
-    cfg, folder = plan.cfg, shards.rows_folder(plan.cfg.output, plan.shard)
-    spec = CaptureSpec(
-        str(folder),
-        tuple(plan.aux_ids),
-        host_bytes_per_rank(cfg.host_memory, cfg.dp * cfg.pp),  # a --dp replica's cfg keeps --dp
-        cfg.decoder_path,
-        cfg.fp8,
-        cfg.legacy,
-        cfg.writer_threads,
-    )
-    installed = llm.collective_rpc("eagle_install", args=(spec.as_rpc(),))
-    refuse_unfound_decoder(installed)
-    writers = [w for w in installed if w["writes"]]  # in rank order, as eagle_drain reports them
-    try:
-        check_layout(writers, plan.shape.num_layers, len(plan.slot_ids))
-    except ValueError as exc:
-        raise ExtractError(f"{exc}; report this as a bug with the model class {installed[0]['model_class']}") from None
-    joiner, masks = None, None
-    if any(w["part"] for w in writers):  # pipeline stages: join their part files into rows
-        masks = {} if cfg.legacy else None  # the legacy rows' loss masks, each until its row is joined
-        joiner = PartJoiner(folder, writers, cfg.fp8, masks)
+    def __init__(self, llm, plan: Plan) -> None:
+        from vllm import SamplingParams
 
-    def record(report: dict, last: bool = False) -> None:
-        if joiner is None:
-            settle(i for rows in report["written_by"] for i in rows)
-            return
+        cfg, self.folder = plan.cfg, shards.rows_folder(plan.cfg.output, plan.shard)
+        spec = CaptureSpec(
+            str(self.folder),
+            tuple(plan.aux_ids),
+            host_bytes_per_rank(cfg.host_memory, cfg.dp * cfg.pp),  # a --dp replica's cfg keeps --dp
+            cfg.decoder_path,
+            cfg.fp8,
+            cfg.legacy,
+            cfg.writer_threads,
+        )
+        self.installed = llm.collective_rpc("eagle_install", args=(spec.as_rpc(),))
+        refuse_unfound_decoder(self.installed)
+        self.writers = [w for w in self.installed if w["writes"]]  # in rank order, as eagle_drain reports them
         try:
-            joiner.add(report["written_by"])
-            settle(joiner.finish() if last else joiner.take_joined())
-        except Exception as exc:  # a full disk, or stages that disagree: one line, like the writers'
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise ExtractError(f"joining the pipeline stages' files: {why}") from None
+            check_layout(self.writers, plan.shape.num_layers, len(plan.slot_ids))
+        except ValueError as exc:
+            model = self.installed[0]["model_class"]
+            raise ExtractError(f"{exc}; report this as a bug with the model class {model}") from None
+        self.cfg, self.joiner, self.masks = cfg, None, None
+        if any(w["part"] for w in self.writers):  # pipeline stages: join their part files into rows
+            self.masks = {} if cfg.legacy else None  # the legacy rows' loss masks, each until its row is joined
+            self.joiner = PartJoiner(self.folder, self.writers, cfg.fp8, self.masks)
+        self.params = SamplingParams(max_tokens=1, temperature=0.0)
+        self.pending: dict[int, tuple] = {}  # row -> (ids, mask) handed to the engine, until its file is written
+        self.handed = self.written = 0
+        self.redo: list[int] = []  # rows to run again alone
 
-    def settle(rows) -> None:
-        nonlocal written
-        for i in rows:
-            if pending.pop(i, None) is not None:
-                written += 1
-
-    def check_dtype(index: int) -> None:
-        kept_as = header_dtype(folder, index) if not (cfg.fp8 or cfg.legacy) else None
-        if kept_as and kept_as != writers[0]["dtype"]:
+    def refuse_other_dtype(self, done: set[int]) -> None:
+        """The rows already in the folder and the engine's must be of one dtype."""
+        kept_as = header_dtype(self.folder, min(done)) if not (self.cfg.fp8 or self.cfg.legacy) else None
+        runs_as = self.writers[0]["dtype"]
+        if kept_as and kept_as != runs_as:
             raise ExtractError(
-                f"the engine runs in {writers[0]['dtype']}, but the {len(done)} rows already written are {kept_as}; "
+                f"the engine runs in {runs_as}, but the {len(done)} rows already written are {kept_as}; "
                 f"resume where the engine runs in {kept_as} (--dtype auto can choose otherwise on another GPU or "
                 "vLLM), or pass --overwrite to start over"
             )
 
-    if done:
-        check_dtype(min(done))
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    written, handed, pending, redo = 0, 0, {}, []  # pending: row -> (ids, mask) until its file is written
+    def run(self, llm, batch: list) -> dict:
+        """Hand `batch`, (row, ids, mask) each, to the engine; returns the workers' report."""
+        self.pending.update((i, (ids, mask)) for i, ids, mask in batch)
+        self.handed += len(batch)
+        return self._call(llm, batch)
 
-    def run_batch(llm, batch: list) -> dict:
-        """One engine call.  `llm` is passed, not closed over: a closure's cell kept the engine alive past
-        RunLog's clearing of a failed run's frames, and vLLM then stopped it after our last line."""
-        if masks is not None:
-            masks.update((i, mask) for i, _, mask in batch)
-        batch_masks = [(i, mask) for i, _, mask in batch] if cfg.legacy else None
-        llm.collective_rpc("eagle_expect", args=([(i, ids) for i, ids, _ in batch], batch_masks))
-        llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _ in batch], params, use_tqdm=False)
-        got = drain_workers(llm, wait=False)
-        redo.extend(got["redo"])
-        record(got)
-        return got
-
-    watch.beat()
-    history = [(0, 0)]  # (settled, unmatched) rows after each batch
-    t1 = time.perf_counter()
-    with progress(total, "extract", "row", initial=kept) as bar:
-        done_tokens = 0
-        for batch in batches:
-            pending.update((i, (ids, mask)) for i, ids, mask in batch)
-            handed += len(batch)
-            got = run_batch(llm, batch)
-            watch.beat()
-            done_tokens += sum(len(ids) for _, ids, _ in batch)
-            rate = f"{done_tokens / (time.perf_counter() - t1):,.0f}"
-            settled, lost, lost_tokens, dropped = got["matching"]
-            on_disk = tally["kept"] + written  # rows on the disk, not rows handed to the engine
-            share_progress(on_disk)
-            bar.total = max(bar.total or 0, tally["kept"] + handed)
-            bar.update(on_disk - bar.n)
-            bar.set_postfix(tok_s=rate, **({"unmatched": lost} if lost else {}))
-            note(
-                f"{on_disk}/about {bar.total} rows written ({handed} handed to the engine this run, "
-                f"{len(pending)} pending); unmatched: {lost} rows, {lost_tokens} tokens; "
-                f"{dropped} dropped steps; {rate} tok/s; {tally['waited_s']:.1f} s waiting for the tokenizer"
-            )
-            history.append((settled, lost))
-            _check_matching(history, got["first_unmatched"])
-        got = drain_workers(llm, wait=True)
-        redo.extend(got["redo"])
+    def finish(self, llm, note, watch: EngineWatch) -> dict:
+        """Once the last batch ran: wait for the writers, and run the rows an ambiguous step may have mixed up
+        again, each alone, where nothing can be confused; returns the last report."""
+        got = self._drain(llm, wait=True)
         alone = set()
-        while redo:  # rows an ambiguous step may have mixed up: each alone, where nothing can be confused
-            rows, redo[:] = sorted(set(redo)), []
+        while self.redo:
+            rows, self.redo = sorted(set(self.redo)), []
             if alone.intersection(rows):
                 raise ExtractError(
                     f"row {min(alone.intersection(rows))} was ambiguous even alone; report this as a bug"
                 )
             alone.update(rows)
-            record(got)  # the rows this drain reports written are settled before the loop drains again
+            self._record(got)  # the rows this drain reports written are settled before the loop drains again
             note(f"running {len(rows)} rows again, one at a time: a step's runs could have been more than one row's")
             for i in rows:
-                ids, mask = pending[i]
-                run_batch(llm, [(i, ids, mask)])
+                ids, mask = self.pending[i]
+                self._call(llm, [(i, ids, mask)])
                 watch.beat()
-            got = drain_workers(llm, wait=True)
-            redo.extend(got["redo"])
-        record(got, last=True)
+            got = self._drain(llm, wait=True)
+        self._record(got, last=True)
+        return got
+
+    def where(self) -> dict:
+        """What the capture ran on, for the manifest."""
+        first = self.writers[0]
+        return {
+            "model_class": first["model_class"],
+            "dtype": first["dtype"],
+            "decoder_path": first["path"],
+            "workers": len(self.installed),
+            "stages": [[w["start"], w["end"]] for w in self.writers],
+        }
+
+    def _call(self, llm, batch: list) -> dict:
+        """One engine call, then the writers' report."""
+        from vllm import TokensPrompt
+
+        if self.masks is not None:
+            self.masks.update((i, mask) for i, _, mask in batch)
+        batch_masks = [(i, mask) for i, _, mask in batch] if self.cfg.legacy else None
+        llm.collective_rpc("eagle_expect", args=([(i, ids) for i, ids, _ in batch], batch_masks))
+        llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _ in batch], self.params, use_tqdm=False)
+        got = self._drain(llm, wait=False)
+        self._record(got)
+        return got
+
+    def _drain(self, llm, wait: bool) -> dict:
+        got = drain_workers(llm, wait)
+        self.redo.extend(got["redo"])
+        return got
+
+    def _record(self, report: dict, last: bool = False) -> None:
+        """Settle the rows `report` says were written (joined first, for pipeline stages)."""
+        if self.joiner is None:
+            self._settle(i for rows in report["written_by"] for i in rows)
+            return
+        try:
+            self.joiner.add(report["written_by"])
+            self._settle(self.joiner.finish() if last else self.joiner.take_joined())
+        except Exception as exc:  # a full disk, or stages that disagree: one line, like the writers'
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ExtractError(f"joining the pipeline stages' files: {why}") from None
+
+    def _settle(self, rows) -> None:
+        for i in rows:
+            if self.pending.pop(i, None) is not None:
+                self.written += 1
+
+
+def _capture(llm, plan: Plan, todo: Todo, batches, total: int, note, watch: EngineWatch) -> tuple:
+    """Stream the rows still to do through the engine, showing progress; returns (capture stats, seconds, how
+    many rows were handed to the engine, their tokens, the rows handed but never written): the driver holds
+    only the rows in flight.  `note` puts each batch's counts in the run's log; `total` is this job's
+    estimated row count, for the progress display."""
+    capture = Capture(llm, plan)
+    if todo.done:
+        capture.refuse_other_dtype(todo.done)
+    watch.beat()
+    history = [(0, 0)]  # (settled, unmatched) rows after each batch
+    t1 = time.perf_counter()
+    with progress(total, "extract", "row", initial=todo.kept) as bar:
+        tokens = 0
+        for batch in batches:
+            got = capture.run(llm, batch)
+            watch.beat()
+            tokens += sum(len(ids) for _, ids, _ in batch)
+            rate = f"{tokens / (time.perf_counter() - t1):,.0f}"
+            settled, lost, lost_tokens, dropped = got["matching"]
+            on_disk = todo.kept + capture.written  # rows on the disk, not rows handed to the engine
+            share_progress(on_disk)
+            bar.total = max(bar.total or 0, todo.kept + capture.handed)
+            bar.update(on_disk - bar.n)
+            bar.set_postfix(tok_s=rate, **({"unmatched": lost} if lost else {}))
+            note(
+                f"{on_disk}/about {bar.total} rows written ({capture.handed} handed to the engine this run, "
+                f"{len(capture.pending)} pending); unmatched: {lost} rows, {lost_tokens} tokens; "
+                f"{dropped} dropped steps; {rate} tok/s; {todo.waited_s:.1f} s waiting for the tokenizer"
+            )
+            history.append((settled, lost))
+            _check_matching(history, got["first_unmatched"])
+        got = capture.finish(llm, note, watch)
         history.append(tuple(got["matching"][:2]))
         _check_matching(history, got["first_unmatched"])
-        bar.total = tally["kept"] + handed  # known now that the stream ended
-        bar.update(tally["kept"] + written - bar.n)
-        share_progress(tally["kept"] + written)
+        bar.total = todo.kept + capture.handed  # known now that the stream ended
+        bar.update(todo.kept + capture.written - bar.n)
+        share_progress(todo.kept + capture.written)
     extract_s = time.perf_counter() - t1
     llm.collective_rpc("eagle_remove")
-    where = {
-        "model_class": writers[0]["model_class"],
-        "dtype": writers[0]["dtype"],
-        "decoder_path": writers[0]["path"],
-        "workers": len(installed),
-        "stages": [[w["start"], w["end"]] for w in writers],
-    }
-    return {**got["stats"], **where}, extract_s, handed, done_tokens, pending
+    return {**got["stats"], **capture.where()}, extract_s, capture.handed, tokens, capture.pending
