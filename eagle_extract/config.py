@@ -156,9 +156,7 @@ class ExtractConfig:
         "(e.g. language_model.model).",
         faces=BOTH,
     )
-    trust_remote_code: bool = option(
-        False, help="Allow the model's own Python code (config, tokenizer).", faces=BOTH
-    )
+    trust_remote_code: bool = option(False, help="Allow the model's own Python code (config, tokenizer).", faces=BOTH)
     overwrite: bool = option(False, help="Replace an existing extraction in --output.")
     storage_dtype: str = option(  # "fp8": speculators' FP8 layout, half the bytes of bf16
         "model",
