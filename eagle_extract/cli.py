@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import Field, fields
 from pathlib import Path
+from typing import get_args
 
 import click
 
 from . import api
 from .checks import repairable
-from .config import CHOICES, ExtractConfig
+from .config import ExtractConfig, ServeOptions, option_name, options_of
 from .errors import ExtractError
 from .interrupts import stop_on_signals
 from .manifest import MANIFEST
-
-D = ExtractConfig()  # the defaults, shared with the API
 
 
 def parse_engine_args(pairs: tuple[str, ...]) -> dict:
@@ -32,10 +32,25 @@ def parse_engine_args(pairs: tuple[str, ...]) -> dict:
     return args
 
 
+def click_option(f: Field, help: str | None = None):
+    """A declared option (config.option) as click's decorator: a flag for a bool, repeatable KEY=VALUE pairs
+    for the engine_args dict, else a value of the annotation's type."""
+    meta, name = f.metadata, option_name(f)
+    help = help or meta["help"] + (f" [default: {meta['shown']}]" if meta["shown"] else "")
+    kind = (get_args(f.type) or (f.type,))[0]
+    if kind is bool:
+        return click.option(name, f.name, is_flag=True, flag_value=not f.default, default=f.default, help=help)
+    if kind is dict:
+        return click.option(name, f.name, multiple=True, metavar=meta["metavar"],
+                            callback=lambda ctx, param, pairs: parse_engine_args(pairs), help=help)  # fmt: skip
+    given = click.Choice(meta["choices"]) if meta["choices"] else click.Path(path_type=Path) if kind is Path else kind
+    return click.option(name, f.name, type=given, default=f.default, show_default=f.default is not None,
+                        metavar=meta["metavar"], help=help)  # fmt: skip
+
+
 def engine_arg_option(help: str):
-    """--engine-arg KEY=VALUE, repeatable, VALUE parsed as JSON when it can be; gathered as the engine_args dict."""
-    return click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
-                        callback=lambda ctx, param, pairs: parse_engine_args(pairs), help=help)  # fmt: skip
+    """extract's --engine-arg with another help, for the train/ scripts."""
+    return click_option(next(f for f in fields(ExtractConfig) if f.name == "engine_args"), help)
 
 
 class _ExtractByDefault(click.Group):
@@ -52,306 +67,19 @@ def main():
     """eagle-extract: EAGLE-3 training data from models running in vLLM."""
 
 
-OPTION = {  # every option of the commands that run a model, declared once; each command takes its own list
-    "model": click.option(
-        "--model",
-        default=D.model,
-        show_default=True,
-        help="Checkpoint folder (config.json, weights, tokenizer). 'smollm2' builds and uses the bundled "
-        "SmolLM2-135M-Instruct.",
-    ),
-    "data": click.option(
-        "--data",
-        type=click.Path(path_type=Path),
-        default=None,
-        help="JSON or JSONL file, or a dataset folder (datasets' save_to_disk, speculators' prepare-data): "
-        "conversations, Alpaca, token or text rows (docs/data.md). "
-        "[default: the bundled 500 ShareGPT sample conversations]",
-    ),
-    "data_format": click.option(
-        "--data-format",
-        type=click.Choice(CHOICES["data_format"]),
-        default=D.data_format,
-        show_default=True,
-        help="Row format; 'auto' detects it per row.",
-    ),
-    "strict": click.option(
-        "--strict", is_flag=True, help="Stop at the first bad row, naming it, instead of skipping it."
-    ),
-    "output": click.option(
-        "--output",
-        type=click.Path(path_type=Path),
-        default=D.output,
-        show_default=True,
-        help="Output folder, laid out for `speculators train --data-path`.",
-    ),
-    "layers": click.option(
-        "--layers",
-        default=None,
-        help="Comma-separated auxiliary layer ids, vLLM EAGLE-3 convention (id L = residual stream "
-        "entering layer L). The final slot (id = number of layers) is always added. "
-        "[default: 2, n//2, n-3]",
-    ),
-    "tp": click.option(
-        "--tp", type=int, default=D.tp, show_default=True, help="Tensor-parallel size (GPUs per engine)."
-    ),
-    "pp": click.option(
-        "--pp",
-        type=int,
-        default=D.pp,
-        show_default=True,
-        help="Pipeline-parallel stages (engine GPUs = --tp x --pp); each stage captures its own layers. "
-        "GPU builds only.",
-    ),
-    "dp": click.option(
-        "--dp",
-        type=click.IntRange(min=1),
-        default=D.dp,
-        show_default=True,
-        help="Engine replicas on this machine, each with --tp GPUs (or a share of the CPU cores) and a share of "
-        "the rows.",
-    ),
-    "shard": click.option(
-        "--shard",
-        default=None,
-        metavar="I/N",
-        help="Process only part I of N of the rows (0 <= I < N), for N jobs sharing one --output; the last to finish "
-        "(or `eagle-extract merge`) completes the dataset. docs/scaling.md",
-    ),
-    "max_samples": click.option(
-        "--max-samples", type=int, default=None, help="Use at most this many rows. [default: all]"
-    ),
-    "seq_length": click.option(
-        "--seq-length",
-        type=int,
-        default=D.seq_length,
-        show_default=True,
-        help="Longest sample in tokens; see --long-samples.",
-    ),
-    "long_samples": click.option(
-        "--long-samples",
-        type=click.Choice(CHOICES["long_samples"]),
-        default=D.long_samples,
-        show_default=True,
-        help="What to do with samples longer than --seq-length; counts are reported.",
-    ),
-    "regenerate": click.option(
-        "--regenerate",
-        is_flag=True,
-        help="Let the model write every assistant turn itself, turn by turn, before extraction "
-        "(questions-only data becomes training data); saved as regenerated.jsonl in --output.",
-    ),
-    "temperature": click.option(
-        "--temperature",
-        type=float,
-        default=D.temperature,
-        show_default=True,
-        help="--regenerate sampling; 0 is greedy.",
-    ),
-    "top_p": click.option("--top-p", type=float, default=D.top_p, show_default=True, help="--regenerate sampling."),
-    "max_new_tokens": click.option(
-        "--max-new-tokens",
-        type=int,
-        default=D.max_new_tokens,
-        show_default=True,
-        help="--regenerate: longest answer in tokens.",
-    ),
-    "seed": click.option(
-        "--seed", type=int, default=D.seed, show_default=True, help="--regenerate sampling seed (plus row number)."
-    ),
-    "regenerate_batch_size": click.option(
-        "--regenerate-batch-size",
-        type=int,
-        default=D.regenerate_batch_size,
-        show_default=True,
-        help="--regenerate: prompts per generate call, whose answers are saved together as the call returns (a rerun "
-        "continues after them); more keeps the engine fuller at the end of each call.",
-    ),
-    "dtype": click.option(
-        "--dtype",
-        type=click.Choice(CHOICES["dtype"]),
-        default=D.dtype,
-        show_default=True,
-        help="Model dtype, and the dtype of the stored hidden states.",
-    ),
-    "batch_size": click.option(
-        "--batch-size",
-        type=int,
-        default=D.batch_size,
-        show_default=True,
-        help="Samples handed to vLLM per generate call (progress is reported per call).",
-    ),
-    "max_num_batched_tokens": click.option(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="Token budget of one engine step; smaller values lower peak memory. [default: vLLM's]",
-    ),
-    "engine_args": engine_arg_option(
-        "Further vllm.LLM keyword argument, VALUE parsed as JSON when it can be; repeatable "
-        "(e.g. --engine-arg gpu_memory_utilization=0.85)."
-    ),
-    "decoder_path": click.option(
-        "--decoder-path",
-        default=None,
-        help="Dotted path of the module that owns the decoder `layers`, when the search cannot tell "
-        "(e.g. language_model.model).",
-    ),
-    "trust_remote_code": click.option(
-        "--trust-remote-code", is_flag=True, help="Allow the model's own Python code (config, tokenizer)."
-    ),
-    "overwrite": click.option("--overwrite", is_flag=True, help="Replace an existing extraction in --output."),
-    "storage_dtype": click.option(
-        "--storage-dtype",
-        type=click.Choice(CHOICES["storage_dtype"]),
-        default=D.storage_dtype,
-        show_default=True,
-        help="'model' stores the model dtype; 'fp8' stores speculators' FP8 layout (float8_e4m3fn values and a "
-        "float32 scale per token), half the bytes of bf16.",
-    ),
-    "format": click.option(
-        "--format",
-        type=click.Choice(CHOICES["format"]),
-        default=D.format,
-        show_default=True,
-        help="'speculators-legacy' writes speculators 0.3/0.4's data_{i}.pt files (layer ids translated to that "
-        "version's numbering of layer outputs, recorded in the manifest).",
-    ),
-    "writer_threads": click.option(
-        "--writer-threads",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Threads writing hidden-state files on the writing rank. [default: one per two CPU cores, 2 to 8]",
-    ),
-    "tokenize_processes": click.option(
-        "--tokenize-processes",
-        type=click.IntRange(min=0),
-        default=None,
-        help="Worker processes tokenizing the data ahead of the engine; 0 tokenizes in a thread of the driver. "
-        "[default: 0 for a data source under 32 MiB, else one per four CPU cores, 1 to 8]",
-    ),
-    "host_memory": click.option(
-        "--host-memory",
-        type=float,
-        default=D.host_memory,
-        metavar="GIB",
-        help="Host memory the captured states may hold at once (step buffers, open prompts, rows waiting for the "
-        "disk); when it is spent the forward pass waits for the writer, and an open prompt that does not fit is "
-        "run again alone. [default: an eighth of RAM, 2 to 32 GiB]",
-    ),
-    "stall_timeout": click.option(
-        "--stall-timeout",
-        type=float,
-        default=D.stall_timeout,
-        show_default=True,
-        metavar="SECONDS",
-        help="Stop with one line (and stop the engine) when the run makes no progress for this long: a stalled "
-        "collective, a hung GPU, a disk that blocks the writer. 0: never.",
-    ),
-    "check_disk": click.option(
-        "--no-disk-check",
-        "check_disk",
-        is_flag=True,
-        flag_value=False,
-        default=D.check_disk,
-        help="Start even when the estimated output is larger than the free disk space (e.g. space freed during "
-        "the run).",
-    ),
-    "states": click.option(
-        "--states",
-        type=click.Choice(CHOICES["states"]),
-        default=D.states,
-        show_default=True,
-        help="'none' writes the dataset files without hidden states (no engine): speculators' online trainer "
-        "reads the rows already in hidden_states/ and asks `eagle-extract serve` for the rest.",
-    ),
-    "host": click.option("--host", default="127.0.0.1", show_default=True, help="Address the server listens on."),
-    "port": click.option("--port", type=int, default=8000, show_default=True, help="TCP port the server listens on."),
-    "spool": click.option(
-        "--spool",
-        type=click.Path(file_okay=False, path_type=Path),
-        default=None,
-        help="Folder the state files are written into, in a fresh subfolder; the trainer must see it at the same "
-        "path (one machine, or a shared filesystem). [default: the system's temporary folder]",
-    ),
-    "spool_bytes": click.option(
-        "--spool-bytes",
-        type=float,
-        default=None,
-        help="Bytes of state files the spool may hold; a request waits for room while the trainer catches up. "
-        "[default: half the spool filesystem's free space]",
-    ),
-    "spool_ttl": click.option(
-        "--spool-ttl",
-        type=float,
-        default=600.0,
-        show_default=True,
-        metavar="SECONDS",
-        help="A state file no trainer collected in this long (a killed trainer) is removed.",
-    ),
-    "api_key": click.option(
-        "--api-key", default=None, help="Bearer token every request must send (for a server not on loopback)."
-    ),
-    "served_model_name": click.option(
-        "--served-model-name",
-        default=None,
-        help="Model name /v1/models gives; speculators' trainer requires its --verifier-name-or-path. "
-        "[default: --model as given]",
-    ),
-}
-
-
-def options(*names: str):
-    """The named OPTIONs as the decorators of one command, listed in its --help in this order."""
+def options(face: str):
+    """The options command `face` takes (config.options_of) as its decorators, listed in its --help in that order."""
 
     def apply(command):
-        for name in reversed(names):
-            command = OPTION[name](command)
+        for f in reversed(options_of(face)):
+            command = click_option(f)(command)
         return command
 
     return apply
 
 
-EXTRACT_OPTIONS = (
-    "model",
-    "data",
-    "data_format",
-    "strict",
-    "output",
-    "layers",
-    "tp",
-    "pp",
-    "dp",
-    "shard",
-    "max_samples",
-    "seq_length",
-    "long_samples",
-    "regenerate",
-    "temperature",
-    "top_p",
-    "max_new_tokens",
-    "seed",
-    "regenerate_batch_size",
-    "dtype",
-    "batch_size",
-    "max_num_batched_tokens",
-    "engine_args",
-    "decoder_path",
-    "trust_remote_code",
-    "overwrite",
-    "storage_dtype",
-    "format",
-    "writer_threads",
-    "tokenize_processes",
-    "host_memory",
-    "stall_timeout",
-    "check_disk",
-    "states",
-)
-
-
 @main.command("extract", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@options(*EXTRACT_OPTIONS)
+@options("extract")
 def extract_command(**options):
     """Capture EAGLE-3 training hidden states from a model running in vLLM.
 
@@ -363,16 +91,9 @@ def extract_command(**options):
     _summarise(_run_or_fail(api.extract, **options))
 
 
-SERVE_OPTIONS = (
-    "model", "layers", "tp", "seq_length", "dtype", "storage_dtype", "batch_size", "max_num_batched_tokens",
-    "engine_args", "decoder_path", "trust_remote_code", "writer_threads", "host_memory", "stall_timeout",
-    "host", "port", "spool", "spool_bytes", "spool_ttl", "api_key", "served_model_name",
-)  # fmt: skip
-
-
 @main.command("serve", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@options(*SERVE_OPTIONS)
-def serve_command(host, port, spool, spool_bytes, spool_ttl, api_key, served_model_name, **options):
+@options("serve")
+def serve_command(**options):
     """Serve each prompt's hidden states over HTTP to speculators' online trainer.
 
     Answers speculators 0.9's loader (`speculators train --vllm-endpoint http://HOST:PORT/v1`) as vLLM's
@@ -380,9 +101,10 @@ def serve_command(host, port, spool, spool_bytes, spool_ttl, api_key, served_mod
     the answer's kv_transfer_params; the trainer reads and deletes it. SIGTERM or Ctrl-C finishes the
     requests in flight, removes the spool's files and exits 0.
     """
-    from .serve import ServeOptions, serve
+    from .serve import serve
 
-    opts = ServeOptions(host, port, spool, spool_bytes, spool_ttl, api_key, served_model_name)
+    own = {f.name for f in fields(ServeOptions)}
+    opts = ServeOptions(**{name: options.pop(name) for name in [*options] if name in own})
     given = click.get_current_context().get_parameter_source("seq_length") is not click.core.ParameterSource.DEFAULT
     opts.whole_context = not given  # a trainer's rows can be as long as the model takes
 

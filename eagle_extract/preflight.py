@@ -1,7 +1,7 @@
 """Every check made before anything is created or any engine starts.
 
-The model's shape against the options, clashing options, the output folder's writability, and the
-disk space.
+Each option's range as config.py declares it, the model's shape against the options, clashing options,
+the output folder's writability, and the disk space.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import json
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .config import CHOICES, ExtractConfig
+from .config import ExtractConfig, option_name
 from .engine import check_engine_args, on_gpu
 from .errors import ExtractError
 
@@ -101,34 +101,33 @@ def load_tokenizer(cfg: ExtractConfig):
         ) from None
 
 
+def check_ranges(options) -> None:
+    """Each option's value among its choices and inside its range, as config.option declares them.  A range
+    is tested as `not (inside)`, so that NaN, which every comparison fails, is out of it."""
+    values = {f.name: getattr(options, f.name) for f in fields(options)}
+    for f in fields(options):
+        value, meta = values[f.name], f.metadata
+        if meta.get("choices") and value not in meta["choices"]:
+            raise ExtractError(f"{option_name(f)} {value}: choose one of {', '.join(meta['choices'])}")
+        least, above, most = meta.get("at_least"), meta.get("above"), meta.get("at_most")
+        if value is None or least is above is most is None:
+            continue
+        inside = value < float("inf") and (least is None or value >= least) and (above is None or value > above)
+        if not (inside and (most is None or value <= most)):
+            if meta["error"]:
+                raise ExtractError(meta["error"].format(value=value, **values))
+            raise ExtractError(f"{option_name(f)} {value}: must be at least {least}")
+
+
 def check_options(cfg: ExtractConfig, engine: bool = True) -> None:
-    """Options out of their range, or contradicting each other, whatever the model.  Each range is written
-    as `not (inside)`, so that NaN, which every comparison fails, is out of it."""
-    for name, choices in CHOICES.items():
-        if getattr(cfg, name) not in choices:
-            raise ExtractError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: choose one of {', '.join(choices)}")
-    at_least_one = ("dp", "writer_threads", "batch_size", "regenerate_batch_size", "max_samples")
-    for name in (*at_least_one, "max_num_batched_tokens", "max_new_tokens"):
-        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
-            raise ExtractError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
-    if cfg.tokenize_processes is not None and cfg.tokenize_processes < 0:
-        raise ExtractError(f"--tokenize-processes {cfg.tokenize_processes}: must be at least 0 (0: in the driver)")
+    """Options out of their range, or contradicting each other, whatever the model."""
+    check_ranges(cfg)
     if cfg.layers is not None and not cfg.layers.strip():
         raise ExtractError("--layers is empty; give comma-separated ids like 2,15,27, or leave it out for the defaults")
-    if not 0 <= cfg.temperature < float("inf") or not 0 < cfg.top_p <= 1:
-        raise ExtractError(
-            f"--temperature {cfg.temperature} --top-p {cfg.top_p}: need temperature >= 0 and top-p in (0, 1]"
-        )
     if cfg.decoder_path is not None and not re.fullmatch(r"[A-Za-z_]\w*(\.\w+)*", cfg.decoder_path):
         raise ExtractError(
             f"--decoder-path {cfg.decoder_path!r}: give the dotted attribute path of the module whose .layers are "
             "the decoder layers, like language_model.model"
-        )
-    if cfg.host_memory is not None and not 0 < cfg.host_memory < float("inf"):
-        raise ExtractError(f"--host-memory {cfg.host_memory}: give the GiB of host memory captured states may hold")
-    if cfg.stall_timeout is not None and not 0 <= cfg.stall_timeout < float("inf"):
-        raise ExtractError(
-            f"--stall-timeout {cfg.stall_timeout}: give the seconds without progress that count as a hang (0: never)"
         )
     if engine:
         check_engine_args(cfg.engine_args)
@@ -151,8 +150,6 @@ def check_options(cfg: ExtractConfig, engine: bool = True) -> None:
         raise ExtractError("--states none is for speculators' online trainer; the legacy format has no online mode")
     if cfg.legacy and cfg.fp8:
         raise ExtractError("--storage-dtype fp8 is not part of the legacy format; drop one of the two options")
-    if cfg.seq_length < 2:
-        raise ExtractError("--seq-length must be at least 2")
 
 
 def check_layers(cfg: ExtractConfig, aux_ids: list[int]) -> None:
@@ -164,8 +161,6 @@ def check_layers(cfg: ExtractConfig, aux_ids: list[int]) -> None:
 
 
 def check_pp(pp: int, shape: ModelShape) -> None:
-    if pp < 1:
-        raise ExtractError("--pp must be at least 1")
     if pp > shape.num_layers:
         raise ExtractError(f"--pp {pp} is more stages than the model's {shape.num_layers} layers; use at most that")
     if pp > 1 and not on_gpu():
@@ -180,8 +175,6 @@ def _tp_fits(tp: int, shape: ModelShape) -> bool:
 
 
 def check_tp(tp: int, shape: ModelShape) -> None:
-    if tp < 1:
-        raise ExtractError("--tp must be at least 1")
     if not _tp_fits(tp, shape):
         choices = [d for d in range(1, shape.num_heads + 1) if _tp_fits(d, shape)]
         raise ExtractError(

@@ -33,12 +33,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from .capture_spec import CaptureSpec, host_bytes_per_rank
-from .config import ExtractConfig
+from .config import ExtractConfig, ServeOptions
 from .errors import ExtractError, engine_errors
 from .interrupts import interrupted, note_interrupt
 from .model_nav import refuse_unfound_decoder
 from .plan import model_layers
-from .preflight import check_options, check_weights, load_tokenizer
+from .preflight import check_options, check_ranges, check_weights, load_tokenizer
 from .rowfile import hidden_state_path
 from .run import drain_workers
 from .runlog import RunLog
@@ -56,27 +56,10 @@ class BadRequest(Exception):
         self.status, self.param = status, param
 
 
-@dataclass
-class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    spool: Path | None = None  # None: a fresh folder under the system's temporary folder
-    spool_bytes: float | None = None  # None: SPOOL_SHARE of the spool filesystem's free space
-    spool_ttl: float = 600.0  # seconds a written file waits for its reader before it is removed
-    api_key: str | None = None
-    served_model_name: str | None = None  # None: --model as given, as `vllm serve` names it
-    whole_context: bool = False  # prompts up to the model's context (at most SERVE_LENGTH), not --seq-length
-
-
 def check_serve_options(cfg: ExtractConfig, opts: ServeOptions) -> None:
     if cfg.legacy:
         raise ExtractError("--format speculators-legacy: the server writes speculators' online layout only")
-    if not 0 < opts.port < 65536:
-        raise ExtractError(f"--port {opts.port}: give a TCP port from 1 to 65535")
-    if opts.spool_bytes is not None and not 1 <= opts.spool_bytes < float("inf"):
-        raise ExtractError(f"--spool-bytes {opts.spool_bytes:g}: give the bytes the spool may hold, at least 1")
-    if not 0 < opts.spool_ttl < float("inf"):
-        raise ExtractError(f"--spool-ttl {opts.spool_ttl}: give the seconds a file waits for its reader")
+    check_ranges(opts)
     if opts.api_key is not None and not opts.api_key.strip():
         raise ExtractError("--api-key is empty; give the bearer token clients send, or leave it out")
 

@@ -1,34 +1,98 @@
-"""The command line documents itself: every option has help and a row in the README (errors:
-test_hostile_inputs.py)."""
+"""Each option is declared once, in config.py: the commands and their --help are made from the declarations,
+and the README's tables are held to them here (errors: test_hostile_inputs.py)."""
 
 from __future__ import annotations
 
 import itertools
+import math
 import re
+from dataclasses import MISSING, fields
 from pathlib import Path
+from typing import get_args
+
+import pytest
+
+from eagle_extract.config import ExtractConfig, ServeOptions, option_name, options_of
+from eagle_extract.errors import ExtractError
+from eagle_extract.preflight import check_ranges
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def _table_options(heading: str) -> set[str]:
-    """The options the first cells of the README table whose header row starts with `heading` name."""
+def _table(heading: str) -> list[tuple[str, str]]:
+    """(option, default cell without backticks) of each row of the README table whose header row starts with
+    `heading`, in order."""
     lines = README.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"| {heading} |"))
-    found = set()
+    rows = []
     for line in itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2 :]):
-        found |= set(re.findall(r"`(--[a-z0-9-]+)", line.split("|")[1]))
-    return found
+        name, default = line.split("|")[1:3]
+        one = re.fullmatch(r"`(--[a-z0-9-]+)[^`]*`", name.strip())
+        assert one, f"README: one option a row, not {name.strip()}"
+        rows.append((one.group(1), default.strip().replace("`", "")))
+    return rows
 
 
-def _command_options(command) -> dict[str, str]:
-    return {opt: param.help or "" for param in command.params for opt in param.opts if opt.startswith("--")}
+def _readme_default(f) -> str:
+    """The default as the README gives it: a flag is off; a None or an empty dict is --help's words or nothing."""
+    if f.type is bool:
+        return "off"
+    if f.metadata["shown"] or f.default is None or f.default is MISSING:
+        return f.metadata["shown"] or ""
+    return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
 
 
-def test_every_option_has_help_and_a_readme_row_and_every_row_an_option():
+@pytest.mark.parametrize("heading, declared", [
+    ("option", options_of("extract")),
+    ("serve option", [f for f in options_of("serve") if "extract" not in f.metadata["faces"]]),
+])  # fmt: skip
+def test_the_readme_tables_give_every_declared_option_in_order_with_its_default(heading, declared):
+    rows = _table(heading)
+    assert [name for name, _ in rows] == [option_name(f) for f in declared]
+    wrong = [
+        (name, cell, _readme_default(f))
+        for f, (name, cell) in zip(declared, rows)
+        if cell != _readme_default(f) and not cell.startswith(_readme_default(f) + " (")
+    ]
+    assert not wrong, "README default cells that are not the declared defaults: (option, cell, declared)"
+
+
+def test_the_readme_names_the_extraction_options_serve_takes():
+    text = " ".join(README.read_text().split())
+    sentence = text[text.index("`serve` also takes the model options of extraction:") :].split(". ")[0]
+    shared = [option_name(f) for f in options_of("serve") if "extract" in f.metadata["faces"]]
+    assert set(re.findall(r"`(--[a-z0-9-]+)`", sentence)) == set(shared)
+
+
+def test_each_commands_help_lists_the_options_it_takes_with_their_help():
+    """From the rendered --help: a command that lost an option, or an option whose help did not reach click,
+    fails here (whitespace aside: click wraps the lines)."""
+    from click.testing import CliRunner
+
     from eagle_extract.cli import extract_command, serve_command
 
-    extract, serve = _command_options(extract_command), _command_options(serve_command)
-    assert not [o for o, text in {**extract, **serve}.items() if not text.strip()]
-    assert _table_options("option") == set(extract)
-    assert _table_options("serve option") == set(serve) - set(extract)
-    assert "--states" in _table_options("option") and "--spool-ttl" in _table_options("serve option")
+    for command, face in ((extract_command, "extract"), (serve_command, "serve")):
+        assert [p.opts[0] for p in command.params] == [option_name(f) for f in options_of(face)]
+        shown = "".join(CliRunner().invoke(command, ["--help"]).output.split())
+        missing = [option_name(f) for f in options_of(face) if "".join(f.metadata["help"].split()) not in shown]
+        shown_defaults = [f.metadata["shown"] for f in options_of(face) if f.metadata["shown"]]
+        assert not missing and all(f"[default:{''.join(s.split())}]" in shown for s in shown_defaults), missing
+
+
+def _outside(f):
+    """A value just outside the field's declared range, NaN for a float."""
+    meta = f.metadata
+    if float in (get_args(f.type) or (f.type,)):
+        return math.nan
+    return meta["at_least"] - 1 if meta["at_least"] is not None else meta["at_most"] + 1
+
+
+@pytest.mark.parametrize("cls", [ExtractConfig, ServeOptions])
+def test_a_value_outside_a_declared_range_gets_one_line_naming_its_option(cls):
+    ranged = [f for f in fields(cls) if any(f.metadata.get(k) is not None for k in ("at_least", "above", "at_most"))]
+    assert ranged
+    for f in ranged:
+        with pytest.raises(ExtractError) as err:
+            check_ranges(cls(**{f.name: _outside(f)}))
+        assert option_name(f) in str(err.value) and "\n" not in str(err.value), (f.name, str(err.value))
+    check_ranges(cls())  # the defaults are inside
