@@ -13,9 +13,11 @@ from .checks import repairable
 from .config import CHOICES, ExtractConfig
 from .errors import ExtractError
 from .interrupts import stop_on_signals
+from .mooncake import StoreSettings
 from .writer import MANIFEST
 
 D = ExtractConfig()  # the defaults, shared with the API
+M = StoreSettings()  # the Mooncake defaults, speculators' launcher's
 
 
 def parse_engine_args(pairs: tuple[str, ...]) -> dict:
@@ -287,7 +289,7 @@ OPTION = {  # every option of the commands that run a model, declared once; each
         default=600.0,
         show_default=True,
         metavar="SECONDS",
-        help="A state file no trainer collected in this long (a killed trainer) is removed.",
+        help="A state file (or Mooncake object) no trainer collected in this long (a killed trainer) is removed.",
     ),
     "api_key": click.option(
         "--api-key", default=None, help="Bearer token every request must send (for a server not on loopback)."
@@ -298,7 +300,41 @@ OPTION = {  # every option of the commands that run a model, declared once; each
         help="Model name /v1/models gives; speculators' trainer requires its --verifier-name-or-path. "
         "[default: --model as given]",
     ),
+    "transfer": click.option(
+        "--transfer",
+        type=click.Choice(["file", "mooncake"]),
+        default="file",
+        show_default=True,
+        help="How the trainer gets each row's states: 'file', a file in --spool (one machine, or a shared folder); "
+        "'mooncake', an object in a Mooncake store (speculators' `--hidden-states-backend mooncake`: the trainer "
+        "may run on another node). The --mooncake-* options are those of speculators' launcher.",
+    ),
 }
+
+
+def _mooncake_options(command):
+    """The Mooncake options of speculators' launcher (hs-connectors' MooncakeBackend): its names and defaults."""
+    for option in reversed([
+        click.option("--mooncake-master", default=M.master, show_default=True, help="The Mooncake master's HOST:PORT."),
+        click.option("--mooncake-metadata-server", default=M.metadata_server, show_default=True,
+                     help="Mooncake's metadata server, or P2PHANDSHAKE."),
+        click.option("--mooncake-protocol", type=click.Choice(["tcp", "rdma"]), default=M.protocol, show_default=True,
+                     help="How the store moves the rows between nodes."),
+        click.option("--mooncake-device", default=M.device, help="RDMA device(s), e.g. mlx5_0,mlx5_1 [default: "
+                     "Mooncake's choice]"),
+        click.option("--mooncake-global-segment-gib", type=float, default=M.global_segment_gib, show_default=True,
+                     help="Memory this server lends the store, where rows wait for the trainer (filled to 80% at "
+                     "most, then requests wait)."),
+        click.option("--mooncake-local-buffer-gib", type=float, default=M.local_buffer_gib, show_default=True,
+                     help="The Mooncake client's own staging buffer (rows are put from buffers of the server's)."),
+        click.option("--mooncake-writer-threads", type=int, default=M.writer_threads, show_default=True,
+                     help="Rows put into the store at once."),
+    ]):  # fmt: skip
+        command = option(command)
+    return command
+
+
+OPTION["mooncake"] = _mooncake_options
 
 
 def options(*names: str):
@@ -366,24 +402,32 @@ def extract_command(**options):
 SERVE_OPTIONS = (
     "model", "layers", "tp", "seq_length", "dtype", "storage_dtype", "batch_size", "max_num_batched_tokens",
     "engine_args", "decoder_path", "trust_remote_code", "writer_threads", "host_memory", "stall_timeout",
-    "host", "port", "spool", "spool_bytes", "spool_ttl", "api_key", "served_model_name",
+    "host", "port", "spool", "spool_bytes", "spool_ttl", "api_key", "served_model_name", "transfer", "mooncake",
 )  # fmt: skip
 
 
 @main.command("serve", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @options(*SERVE_OPTIONS)
-def serve_command(host, port, spool, spool_bytes, spool_ttl, api_key, served_model_name, **options):
+def serve_command(host, port, spool, spool_bytes, spool_ttl, api_key, served_model_name, transfer, **options):
     """Serve each prompt's hidden states over HTTP to speculators' online trainer.
 
     Answers speculators 0.9's loader (`speculators train --vllm-endpoint http://HOST:PORT/v1`) as vLLM's
     hidden-states connector does: each request's states are a safetensors file in the spool, named in
-    the answer's kv_transfer_params; the trainer reads and deletes it. SIGTERM or Ctrl-C finishes the
-    requests in flight, removes the spool's files and exits 0.
+    the answer's kv_transfer_params; the trainer reads and deletes it. With --transfer mooncake each is an
+    object in a Mooncake store instead, for a trainer on another node. SIGTERM or Ctrl-C finishes the
+    requests in flight, removes the spool's files (and objects) and exits 0.
     """
     from .serve import ServeOptions, serve
 
     opts = ServeOptions(host, port, spool, spool_bytes, spool_ttl, api_key, served_model_name)
-    given = click.get_current_context().get_parameter_source("seq_length") is not click.core.ParameterSource.DEFAULT
+    ctx = click.get_current_context()
+    store = {k: options.pop(k) for k in [k for k in options if k.startswith("mooncake_")]}
+    if transfer == "mooncake":
+        opts.mooncake = StoreSettings(**{k.removeprefix("mooncake_"): v for k, v in store.items()})
+    elif stray := [k for k in store if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT]:
+        option = "--" + stray[0].replace("_", "-")
+        raise click.ClickException(f"{option} is for --transfer mooncake; add that, or leave it out")
+    given = ctx.get_parameter_source("seq_length") is not click.core.ParameterSource.DEFAULT
     opts.whole_context = not given  # a trainer's rows can be as long as the model takes
 
     def run(log):
