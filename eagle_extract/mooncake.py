@@ -130,10 +130,10 @@ class MooncakeObjects:
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's own log: errors only, unless asked
         try:
             from mooncake.store import MooncakeDistributedStore
-        except ImportError:
+        except ImportError as exc:
             raise ExtractError(
-                "--transfer mooncake needs Mooncake's transfer engine: pip install mooncake-transfer-engine "
-                "(mooncake-transfer-engine-non-cuda on a machine without CUDA)"
+                f"--transfer mooncake needs Mooncake's transfer engine ({exc}): pip install mooncake-transfer-engine "
+                "(mooncake-transfer-engine-non-cuda without CUDA); it links libibverbs1 (Debian's) even for TCP"
             ) from None
         hostname = os.environ.get("MOONCAKE_LOCAL_HOSTNAME") or socket.gethostbyname(socket.gethostname())
         store = MooncakeDistributedStore()
