@@ -35,6 +35,7 @@ SEGMENT_SHARE = 0.8  # of our segment our objects may fill: under the master's e
 MIN_SEGMENT = 16 << 20  # Mooncake mounts no smaller segment
 GRANULE = 64 << 20  # a staging buffer grows by this much
 NO_ROOM = -200  # Mooncake's status when no segment has room for the object
+RPC_FAIL = -900  # Mooncake's status when the master does not answer
 NO_ROOM_S = 10.0  # a put that finds no room is tried again this long (a restarted master remounts the segments)
 SWEEP_S = 0.5  # seconds between looks at which objects the trainer collected
 DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "I64": "int64", "I32": "int32"}
@@ -172,8 +173,8 @@ class MooncakeObjects:
     def _put(self, handle: str, path: Path, copies: list, total: int, give_up: threading.Event) -> None:
         with self._cond:
             buffer = self._buffers.pop() if self._buffers else None
+        buffer = self._staging(buffer, total)  # on failure no buffer goes back: none is registered
         try:
-            buffer = self._staging(buffer, total)
             with open(path, "rb") as f:
                 view = memoryview(buffer)
                 for at, offset, nbytes in copies:
@@ -182,15 +183,14 @@ class MooncakeObjects:
                         raise StoreUnavailable(f"the row's file {path} is shorter than its header says")
             deadline = time.monotonic() + NO_ROOM_S
             while (status := self._store.put_from(handle, buffer.ctypes.data, total)) == NO_ROOM:
-                if time.monotonic() > deadline or give_up.is_set():
+                if time.monotonic() > deadline or give_up.is_set() or self._stop.is_set():
                     break
                 time.sleep(0.2)
         finally:
-            if buffer is not None:
-                with self._cond:
-                    self._buffers.append(buffer)
+            with self._cond:
+                self._buffers.append(buffer)
         if status != 0:
-            why = "no segment has room" if status == NO_ROOM else "is the master running?"
+            why = {NO_ROOM: "no segment has room", RPC_FAIL: "the master does not answer"}.get(status, "see Mooncake")
             raise StoreUnavailable(
                 f"the Mooncake store did not take the row (status {status}: {why}; master {self.settings.master})"
             )
@@ -215,7 +215,7 @@ class MooncakeObjects:
             self._waiting.append(ticket)
             try:
                 while self._waiting[0] is not ticket or self._bytes and self._bytes + nbytes > self.limit:
-                    if give_up.is_set():
+                    if give_up.is_set() or self._stop.is_set():
                         raise StoreUnavailable("the server is stopping")
                     self._cond.wait(SWEEP_S)
             finally:
