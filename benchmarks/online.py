@@ -2,13 +2,16 @@
 
     python benchmarks/online.py --model PATH [--dummy] --rows 512 --prompt-len 1024 --spool /dev/shm --spool /tmp
     (--model smollm2: the bundled SmolLM2; a --dummy model folder needs config.json and a tokenizer)
+    [--mooncake] [--no-offline]
 
 For each spool folder: offline, `eagle-extract` writes the rows into that folder (`--reps` runs, the engine
 start not counted: the manifest's extract_s); online, one `eagle-extract serve` with its spool there, and
 `--clients` processes (speculators' loader runs 12 worker processes a rank, each with its own client)
 pulling every row through speculators' ArrowDataset and hs-connectors' FileTransfer (request, answer, load,
-check, delete), `--reps` passes.  Rows
-are random token ids of --prompt-len (a fixed seed), the same for both.  Prints a table; --json saves it.
+check, delete), `--reps` passes.  With --mooncake, then the same through `serve --transfer mooncake`: a
+`mooncake_master` on loopback TCP, each client reading with speculators' own mooncake backend (hs-connectors'
+MooncakeTransfer); the spool then only holds each row until it is put.  Rows are random token ids of
+--prompt-len (a fixed seed), the same for all.  Prints a table; --json saves it.
 """
 
 from __future__ import annotations
@@ -61,10 +64,10 @@ def offline(args, data: Path, folder: Path) -> float:
 
 
 class Serving:
-    def __init__(self, args, folder: Path) -> None:
+    def __init__(self, args, folder: Path, *extra: str) -> None:
         self.port = _free_port()
         cmd = [sys.executable, "-m", "eagle_extract", "serve", *_model_args(args), "--port", str(self.port),
-               "--spool", str(folder)]  # fmt: skip
+               "--spool", str(folder), *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
@@ -81,15 +84,55 @@ class Serving:
         return next((line.strip() for line in reversed(self.lines) if line.startswith("stopped: ")), "")
 
 
+class Master:
+    """A `mooncake_master` on loopback (its package's own binary, however Mooncake was installed)."""
+
+    def __init__(self) -> None:
+        port = _free_port()
+        self.address = f"127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "mooncake.cli", f"--rpc_port={port}", "--rpc_address=127.0.0.1",
+               f"--metrics_port={_free_port()}", "--enable_metric_reporting=false"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(300):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise SystemExit("mooncake_master did not start")
+                time.sleep(0.1)
+        raise SystemExit("mooncake_master did not listen within 30 s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
 _DATASET = None  # each client process's own ArrowDataset, as each of speculators' data-loader workers has
 
 
-def _client(datapath: str, port: int, model: str, max_len: int) -> None:
+def _transfer(datapath: str, master: str | None):
+    """The file reader, or the mooncake one as `speculators train --hidden-states-backend mooncake` builds it."""
+    if master is None:
+        from hs_connectors import FileTransfer
+
+        return FileTransfer(Path(datapath) / "hs")
+    from hs_connectors.transfer import MooncakeBackend
+
+    args = argparse.Namespace(mooncake_master=master, mooncake_metadata_server="P2PHANDSHAKE", mooncake_protocol="tcp",
+                              mooncake_device="", mooncake_global_segment_gib=CLIENT_SEGMENT_GIB,
+                              mooncake_local_buffer_gib=CLIENT_SEGMENT_GIB)  # fmt: skip
+    return MooncakeBackend.from_train_args(args, datapath)
+
+
+CLIENT_SEGMENT_GIB = 1.0  # each client's own segment (speculators mounts one per data-loader worker)
+
+
+def _client(datapath: str, port: int, model: str, max_len: int, master: str | None) -> None:
     global _DATASET
-    from hs_connectors import FileTransfer
     from speculators.train.data import ArrowDataset
 
-    _DATASET = ArrowDataset(max_len=max_len, datapath=datapath, transfer=FileTransfer(Path(datapath) / "hs"),
+    _DATASET = ArrowDataset(max_len=max_len, datapath=datapath, transfer=_transfer(datapath, master),
                             vllm_endpoint=f"http://127.0.0.1:{port}/v1", model=model, on_missing="generate",
                             train_ratio=1.0, split="train", request_timeout=600, max_retries=1)  # fmt: skip
 
@@ -115,6 +158,24 @@ def online(pool, rows: int) -> float:
     return rows / seconds
 
 
+def serve_pass(args, datapath: Path, spool: Path, master: str | None = None) -> tuple[list[float], str]:
+    """One server (the file transfer, or the mooncake one through `master`) and the client processes'
+    `--reps` passes over every row: rows per second of each, and the server's last line."""
+    extra = () if master is None else ("--transfer", "mooncake", "--mooncake-master", master,
+                                       "--mooncake-global-segment-gib", str(args.mooncake_segment_gib))  # fmt: skip
+    server = Serving(args, spool, *extra)
+    try:
+        init = (str(datapath), server.port, args.model, args.prompt_len + 1, master)
+        with ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_client, initargs=init) as pool:  # fmt: skip
+            assert all(pool.map(_ready, range(2 * args.clients)))  # every client started, before the clock
+            on = [online(pool, args.rows) for _ in range(args.reps)]
+    finally:
+        said = server.stop()
+    print(f"server ({'mooncake' if master else 'file'}): {said}", flush=True)
+    return on, said
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -126,6 +187,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=12, help="client processes (speculators' --num-workers)")
     ap.add_argument("--spool", action="append", required=True, help="folder for both modes' files (repeatable)")
     ap.add_argument("--extra", nargs="*", default=[], help="further eagle-extract options for both modes")
+    ap.add_argument("--mooncake", action="store_true", help="also serve through --transfer mooncake (loopback TCP)")
+    ap.add_argument("--mooncake-segment-gib", type=float, default=16.0, help="the server's Mooncake segment")
+    ap.add_argument("--no-offline", action="store_true", help="online passes only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from datasets import Dataset
@@ -146,30 +210,33 @@ def main() -> None:
                             "seq_len": [len(r) for r in rows]})  # fmt: skip
     ds.set_format("torch")
     ds.save_to_disk(str(datapath))
+    if args.mooncake:
+        os.environ.setdefault("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")  # the server's and every client's
     results = []
     for spool in map(Path, args.spool):
         spool.mkdir(parents=True, exist_ok=True)
-        off = [offline(args, data, spool) for _ in range(args.reps)]
-        server = Serving(args, spool)
-        try:
-            init = (str(datapath), server.port, args.model, args.prompt_len + 1)
-            with ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"),
-                                     initializer=_client, initargs=init) as pool:  # fmt: skip
-                assert all(pool.map(_ready, range(2 * args.clients)))  # every client started, before the clock
-                on = [online(pool, args.rows) for _ in range(args.reps)]
-        finally:
-            said = server.stop()
-        print(f"server: {said}", flush=True)
+        off = [] if args.no_offline else [offline(args, data, spool) for _ in range(args.reps)]
+        on, said = serve_pass(args, datapath, spool)
         row = {"spool": str(spool), "offline_rows_s": off, "online_rows_s": on, "server": said,
-               "ratio": statistics.median(on) / statistics.median(off)}  # fmt: skip
+               "ratio": statistics.median(on) / statistics.median(off) if off else None}  # fmt: skip
+        if args.mooncake:
+            master = Master()
+            try:
+                row["mooncake_rows_s"], row["mooncake_server"] = serve_pass(args, datapath, spool, master.address)
+            finally:
+                master.stop()
+            row["mooncake_vs_file"] = statistics.median(row["mooncake_rows_s"]) / statistics.median(on)
         results.append(row)
-        print(f"{spool}: offline {statistics.median(off):.1f} rows/s {off}, online {statistics.median(on):.1f} "
-              f"rows/s {on}, online/offline {row['ratio']:.3f}", flush=True)  # fmt: skip
+        print(f"{spool}: {json.dumps(row)}", flush=True)
     print(f"{args.model}, {args.rows} rows x {args.prompt_len} tokens, {args.clients} client processes")
-    print("| spool | offline rows/s | online rows/s | online/offline |")
+    print("| spool | offline rows/s | online rows/s (file) | online/offline | mooncake rows/s | mooncake/file |")
     for r in results:
-        off, on = statistics.median(r["offline_rows_s"]), statistics.median(r["online_rows_s"])
-        print(f"| {r['spool']} | {off:.1f} | {on:.1f} | {r['ratio']:.3f} |")
+        off = f"{statistics.median(r['offline_rows_s']):.1f}" if r["offline_rows_s"] else "-"
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] else "-"
+        mc = "- | -"
+        if args.mooncake:
+            mc = f"{statistics.median(r['mooncake_rows_s']):.1f} | {r['mooncake_vs_file']:.3f}"
+        print(f"| {r['spool']} | {off} | {statistics.median(r['online_rows_s']):.1f} | {ratio} | {mc} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     shutil.rmtree(work, ignore_errors=True)

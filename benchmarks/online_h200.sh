@@ -2,13 +2,16 @@
 # benchmarks/online.py on one H200, inside scripts/gpu_run.sh (vLLM 0.26.0's lock; uvicorn, which the lock
 # lacks, from .whl/): the bundled SmolLM2, or the Llama-3.1-8B shape with dummy weights and SmolLM2's
 # tokenizer; spools on tmpfs (/dev/shm) and on the machine's disk (the repository's folder).
-#   LOCK=gpu/requirements-gpu-vllm-0.26.0.lock bash scripts/gpu_run.sh /tmp/pieces bash benchmarks/online_h200.sh smollm2|llama8b OUT [shm|disk]
-# (one spool: a call of 600 s holds one; both without the third argument)
+#   LOCK=gpu/requirements-gpu-vllm-0.26.0.lock bash scripts/gpu_run.sh /tmp/pieces bash benchmarks/online_h200.sh smollm2|llama8b OUT [shm|disk|mooncake]
+# (one spool: a call of 600 s holds one; both without the third argument).  `mooncake`: the file transfer and
+# `serve --transfer mooncake` (a mooncake_master on loopback TCP), both on tmpfs, no offline pass; it needs
+# Mooncake's cp312 wheel in .whl/ too (mooncake_transfer_engine*.whl; it links libibverbs.so.1).
 set -euo pipefail
 which=${1:?smollm2 or llama8b}
 out=${2:?folder for the JSON}
 only=${3:-both}
 python3 -m pip install -q --no-index --no-deps --target /tmp/site-extra .whl/uvicorn-*.whl
+[ "$only" = mooncake ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site-extra .whl/mooncake_transfer_engine*.whl
 export PYTHONPATH=$PYTHONPATH:/tmp/site-extra
 disk=$PWD/spool-disk
 mkdir -p /dev/shm/spool "$disk"
@@ -25,5 +28,6 @@ fi
 spools=(--spool /dev/shm/spool --spool "$disk")
 [ "$only" = shm ] && spools=(--spool /dev/shm/spool)
 [ "$only" = disk ] && spools=(--spool "$disk")
+[ "$only" = mooncake ] && spools=(--spool /dev/shm/spool --mooncake --no-offline)
 python3 benchmarks/online.py "${args[@]}" --dtype bfloat16 --clients 12 "${spools[@]}" \
   --json "$out/online-$which-$only.json" 2>&1 | grep -v -i warning | tail -20

@@ -294,7 +294,7 @@ class ServeOptions:
     )
     spool_ttl: float = option(
         600.0,
-        help="A state file no trainer collected in this long (a killed trainer) is removed.",
+        help="A state file (or Mooncake object) no trainer collected in this long (a killed trainer) is removed.",
         metavar="SECONDS",
         above=0,
         error="--spool-ttl {value}: give the seconds a file waits for its reader",
@@ -309,6 +309,15 @@ class ServeOptions:
         shown="--model as given",
         faces=SERVE,
     )
+    transfer: str = option(
+        "file",
+        help="How the trainer gets each row's states: 'file', a file in --spool (one machine, or a shared folder); "
+        "'mooncake', an object in a Mooncake store (speculators' `--hidden-states-backend mooncake`: the trainer "
+        "may run on another node). The --mooncake-* options are those of speculators' launcher.",
+        choices=("file", "mooncake"),
+        faces=SERVE,
+    )
+    mooncake: object = None  # not an option: mooncake.StoreSettings, set from the --mooncake-* options
     whole_context: bool = False  # not an option: prompts up to the model's context (at most serve.SERVE_LENGTH)
 
 

@@ -8,7 +8,8 @@ complete before the answer goes out, so the reader's lock wait finds no lock.  T
 One engine thread feeds the requests into the engine's running batch as they arrive (continuous
 batching), through the same capture core as extraction (worker extension, hooks, matcher, writer); rows
 the matcher cannot bind for sure are run again alone.  The spool is bounded in bytes: a request waits for room, and files a
-trainer never collected are removed after `--spool-ttl` seconds and at shutdown.
+trainer never collected are removed after `--spool-ttl` seconds and at shutdown.  With `--transfer mooncake` each
+row's file is put into a Mooncake store instead, and the answer carries the object's manifest (mooncake.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .config import ExtractConfig, ServeOptions
 from .errors import ExtractError, engine_errors
 from .interrupts import interrupted, note_interrupt
 from .model_nav import refuse_unfound_decoder
+from .mooncake import MooncakeObjects, StoreUnavailable
 from .plan import model_layers
 from .preflight import check_options, check_ranges, check_weights, load_tokenizer
 from .rowfile import hidden_state_path
@@ -62,6 +64,13 @@ def check_serve_options(cfg: ExtractConfig, opts: ServeOptions) -> None:
     check_ranges(opts)
     if opts.api_key is not None and not opts.api_key.strip():
         raise ExtractError("--api-key is empty; give the bearer token clients send, or leave it out")
+    if opts.mooncake:
+        opts.mooncake.check()
+        if cfg.fp8:
+            raise ExtractError(
+                "--storage-dtype fp8 with --transfer mooncake: speculators' Mooncake reader does not dequantise "
+                "FP8 rows; leave out --storage-dtype fp8, or use --transfer file"
+            )
 
 
 def _port_free(host: str, port: int) -> None:
@@ -456,7 +465,14 @@ class Requests:
         return ids
 
 
-def make_app(loop: EngineLoop, spool: Spool, requests: Requests, api_key: str | None, seq_length: int):
+def make_app(
+    loop: EngineLoop,
+    spool: Spool,
+    requests: Requests,
+    api_key: str | None,
+    seq_length: int,
+    objects: MooncakeObjects | None = None,
+):
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     give_up = threading.Event()
     app.state.give_up = give_up
@@ -490,7 +506,9 @@ def make_app(loop: EngineLoop, spool: Spool, requests: Requests, api_key: str | 
         requests.model(body)
         return body
 
-    async def states(ids: list[int]) -> str:
+    async def states(ids: list[int]) -> tuple[str, dict]:
+        """The row's name and the answer's kv_transfer_params: its file's path, or its Mooncake object's manifest
+        (put from the writers' own threads: waiting for room there holds no thread a spool reservation needs)."""
         nbytes = len(ids) * requests.bytes_per_token
         await asyncio.to_thread(spool.reserve, nbytes, give_up)
         try:
@@ -498,12 +516,19 @@ def make_app(loop: EngineLoop, spool: Spool, requests: Requests, api_key: str | 
         except BaseException:
             spool.release(nbytes)
             raise
-        return await asyncio.wrap_future(future)
+        path = await asyncio.wrap_future(future)
+        if objects is None:
+            return Path(path).stem, {"hidden_states_path": path}
+        try:
+            manifest = await asyncio.get_running_loop().run_in_executor(objects.pool, objects.put, Path(path), give_up)
+        except StoreUnavailable as exc:
+            raise BadRequest(str(exc), status=503) from None
+        return manifest["handle"], manifest
 
-    def answer(kind: str, ids: list[int], path: str) -> dict:
+    def answer(kind: str, ids: list[int], params: dict) -> dict:
         usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
         return {"object": kind, "created": int(time.time()), "model": requests.name, "usage": usage,
-                "kv_transfer_params": {"hidden_states_path": path}}  # fmt: skip
+                "kv_transfer_params": params}  # fmt: skip
 
     @app.get("/v1/models")
     async def models():
@@ -515,25 +540,26 @@ def make_app(loop: EngineLoop, spool: Spool, requests: Requests, api_key: str | 
     async def completions(request: Request):
         body = await body_of(request)
         ids = await asyncio.to_thread(requests.tokens, body, False)
-        path = await states(ids)
+        row, params = await states(ids)
         choice = {"index": 0, "text": "", "finish_reason": "length", "logprobs": None, "prompt_token_ids": ids}
-        return {"id": f"cmpl-{Path(path).stem}", **answer("text_completion", ids, path), "choices": [choice]}
+        return {"id": f"cmpl-{row}", **answer("text_completion", ids, params), "choices": [choice]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await body_of(request)
         ids = await asyncio.to_thread(requests.tokens, body, True)
-        path = await states(ids)
+        row, params = await states(ids)
         message = {"role": "assistant", "content": ""}
         choice = {"index": 0, "message": message, "finish_reason": "length", "logprobs": None}
-        return {"id": f"chatcmpl-{Path(path).stem}", **answer("chat.completion", ids, path), "choices": [choice],
+        return {"id": f"chatcmpl-{row}", **answer("chat.completion", ids, params), "choices": [choice],
                 "prompt_token_ids": ids}  # fmt: skip
 
     @app.get("/health")
     async def health():
         if loop.failed:
             return JSONResponse({"status": "failed", "error": loop.failed}, status_code=503)
-        return {"status": "ok", "spool_bytes": spool.used(), "rows": loop.rows}
+        stored = {"store_bytes": objects.used()} if objects else {}
+        return {"status": "ok", "spool_bytes": spool.used(), "rows": loop.rows, **stored}
 
     return app
 
@@ -546,6 +572,9 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
     check_weights(cfg)
     tokenizer = load_tokenizer(cfg)
     _port_free(opts.host, opts.port)
+    objects = MooncakeObjects(opts.mooncake, opts.spool_ttl) if opts.mooncake else None
+    if objects:
+        objects.connect()  # before the engine: a master that does not answer is one line, now
     root = opts.spool or Path(tempfile.gettempdir())
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -571,7 +600,9 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
         run_log.say(
             f"starting the engine: {cfg.model}, slots for layers {aux_ids + [shape.num_layers]}, "
             f"{per_token:,} bytes a token; spool {folder} (up to {limit / 2**30:.1f} GiB)"
-        )
+            + (f"; Mooncake master {opts.mooncake.master} (objects up to {objects.limit / 2**30:.1f} GiB)" if objects
+               else "")
+        )  # fmt: skip
         from .engine import start_engine
 
         watch.expect_engine()
@@ -594,24 +625,28 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
             raise ExtractError("no worker installed the capture; report this as a bug with the run's log")
         loop = EngineLoop(llm, spool, cfg.batch_size, watch, run_log.note)
         loop.start()
-        http = _Server(make_app(loop, spool, requests, opts.api_key, requests.longest), opts)
+        http = _Server(make_app(loop, spool, requests, opts.api_key, requests.longest, objects), opts)
         # from here to the end of the cleanup, SIGTERM and Ctrl-C stop the server instead of raising
         saved = {sig: signal.signal(sig, http.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            status = _serve_http(loop, spool, http, run_log, f"http://{opts.host}:{opts.port}/v1 (model {name})")
+            status = _serve_http(loop, spool, http, run_log, f"http://{opts.host}:{opts.port}/v1 (model {name})",
+                                 objects)  # fmt: skip
         finally:
             loop.stopping.set()
             loop.join(timeout=25)
             spool.clear()
+            if objects:
+                objects.close()
             watch.stop.set()  # before the engine goes: its processes end now, and that is no failure
             loop.llm = llm = None  # vLLM stops its engine now, into the log, not after our last line
             gc.collect()
             watch.reap()
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
+        objects_expired = f" and {objects.expired} Mooncake objects" if objects else ""
         run_log.say(
-            f"stopped: {loop.summary()}; {spool.expired} files never collected were removed; the spool's files "
-            f"are removed; log: {log_path}"
+            f"stopped: {loop.summary()}; {spool.expired} files{objects_expired} never collected were removed; the "
+            f"spool's files are removed; log: {log_path}"
         )
         if loop.failed and not interrupted():
             raise ExtractError(f"the engine failed: {loop.failed}; the server stopped (the log: {log_path})")
@@ -652,7 +687,9 @@ GRACE_S = 20  # seconds the requests in flight get at shutdown; then their files
 COLLECT_S = 5
 
 
-def _serve_http(loop: EngineLoop, spool: Spool, http: _Server, run_log, where: str) -> int:
+def _serve_http(
+    loop: EngineLoop, spool: Spool, http: _Server, run_log, where: str, objects: MooncakeObjects | None
+) -> int:
     server = http.server
 
     def janitor() -> None:
@@ -663,7 +700,9 @@ def _serve_http(loop: EngineLoop, spool: Spool, http: _Server, run_log, where: s
                 server.should_exit = True
             if time.monotonic() - said > PROGRESS_S and loop.rows != shown:  # progress, while there is any
                 said, shown = time.monotonic(), loop.rows
-                run_log.say(f"{loop.summary()}; spool {spool.used() / 2**20:,.0f} MiB of {spool.limit / 2**20:,.0f}")
+                stored = objects and f"; Mooncake {objects.used() / 2**20:,.0f} MiB of {objects.limit / 2**20:,.0f}"
+                run_log.say(f"{loop.summary()}; spool {spool.used() / 2**20:,.0f} MiB of {spool.limit / 2**20:,.0f}"
+                            f"{stored or ''}")  # fmt: skip
             time.sleep(0.5)
         http.app.state.give_up.set()  # requests waiting for room go now: they are in flight
 
@@ -679,6 +718,6 @@ def _serve_http(loop: EngineLoop, spool: Spool, http: _Server, run_log, where: s
     asyncio.run(main())
     run_log.say("stopping: the requests in flight are answered")
     deadline = time.monotonic() + COLLECT_S
-    while spool.waiting() and time.monotonic() < deadline and not loop.failed:
-        time.sleep(0.1)  # the last answers' files, for their readers
+    while (spool.waiting() or objects and objects.waiting()) and time.monotonic() < deadline and not loop.failed:
+        time.sleep(0.1)  # the last answers' files or objects, for their readers
     return 1 if loop.failed else 0

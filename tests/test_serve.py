@@ -342,7 +342,11 @@ def test_bad_server_options_get_one_line_before_the_engine(smollm2):
             "a TTL that is not a positive number": ["--spool-ttl", "nan"],
             "an empty API key": ["--api-key", ""],
             "a spool that cannot be made": ["--spool", "/proc/x"],
-        }
+            "a Mooncake master that does not answer": ["--transfer", "mooncake", "--mooncake-master",
+                                                       f"127.0.0.1:{_free_port()}"],
+            "a Mooncake option without --transfer mooncake": ["--mooncake-master", "127.0.0.1:50051"],
+            "FP8 rows through Mooncake": ["--transfer", "mooncake", "--storage-dtype", "fp8"],
+        }  # fmt: skip
         for case, args in cases.items():
             proc = run_cli("serve", "--model", str(smollm2), *args, check=False)
             lines = proc.stderr.strip().splitlines()

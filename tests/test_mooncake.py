@@ -1,0 +1,201 @@
+"""`eagle-extract serve --transfer mooncake` against speculators 0.9's own online client with its own Mooncake
+reader (ArrowDataset with hs-connectors' MooncakeTransfer, built by speculators' `MooncakeBackend`), over a real
+Mooncake master and store on loopback TCP; checked against transformers in float32.  Also: the objects bounded in
+bytes (a request waits for room, an uncollected object goes after the TTL), the master stopped and restarted, and
+a master that does not answer at start.
+
+One vLLM start: the tiny Llama in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from .common import Reference, rel_err
+from .test_serve import Server, _dataset, _free_port, _online_dataset
+
+TTL_S = 8  # --spool-ttl of the server: an uncollected object goes this long after it was put
+SEGMENT_GIB = 1 / 64  # the server's segment, Mooncake's least: 16 MiB, of which 80% for our objects
+LAYERS = [0, 1, 2, 3, 4]  # and the final slot, 6: 3,072 bytes a token in float32
+pytestmark = pytest.mark.usefixtures("loopback")
+
+
+@pytest.fixture(scope="module")
+def loopback():
+    """Both ends announce themselves on loopback (hs-connectors reads MOONCAKE_LOCAL_HOSTNAME)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")
+        yield
+
+
+class Master:
+    """A `mooncake_master` on loopback, on a port of its own."""
+
+    def __init__(self, log: Path) -> None:
+        self.port, self.log = _free_port(), log
+        self.address = f"127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        binary = Path(sys.executable).parent / "mooncake_master"
+        self.proc = subprocess.Popen([str(binary), f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
+                                      f"--metrics_port={_free_port()}", "--enable_metric_reporting=false"],
+                                     stdout=self.log.open("a"), stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-2000:]
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    master = Master(tmp_path_factory.mktemp("mooncake") / "master.log")
+    yield master
+    master.stop()
+
+
+def _transfer(master: Master):
+    """The trainer's reader, as `speculators train --hidden-states-backend mooncake` builds it."""
+    from hs_connectors.transfer import MooncakeBackend
+
+    args = argparse.Namespace(mooncake_master=master.address, mooncake_metadata_server="P2PHANDSHAKE",
+                              mooncake_protocol="tcp", mooncake_device="", mooncake_global_segment_gib=SEGMENT_GIB,
+                              mooncake_local_buffer_gib=SEGMENT_GIB)  # fmt: skip
+    return MooncakeBackend.from_train_args(args, "unused")
+
+
+def test_an_object_put_from_a_row_file_is_what_hs_connectors_reads(master, tmp_path):
+    """No engine: a row file as the capture writes it goes into the store, hs-connectors' own reader unpacks
+    it, bf16 and float32; its removal frees the room, and close() leaves no object of ours."""
+    from eagle_extract.mooncake import MooncakeObjects, StoreSettings
+    from eagle_extract.writer import hidden_state_path, write_hidden_states
+
+    objects = MooncakeObjects(StoreSettings(master=master.address, global_segment_gib=SEGMENT_GIB), ttl=60)
+    objects.connect()
+    reader = _transfer(master)
+    reader.setup()
+    (tmp_path / "hidden_states").mkdir()
+    try:
+        for i, dtype in enumerate((torch.bfloat16, torch.float32)):
+            hidden = torch.randn(37, 3, 40).to(dtype)  # 37 x 3 x 40 x 2 bytes: not a multiple of 64
+            ids = list(range(100, 137))
+            write_hidden_states(tmp_path, i, hidden, ids, durable=False)
+            manifest = objects.put(hidden_state_path(tmp_path, i), threading.Event())
+            assert not hidden_state_path(tmp_path, i).exists()  # the file goes once its object is in
+            got = reader.get_generated(manifest)
+            assert torch.equal(got["hidden_states"], hidden) and got["token_ids"].tolist() == ids
+            assert objects.used() == manifest["metadata"]["total_aligned_bytes"] > 0
+            reader.delete(manifest["handle"])
+            deadline = time.monotonic() + 10
+            while objects.used() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert objects.used() == 0 and objects.waiting() == 0
+        write_hidden_states(tmp_path, 5, torch.randn(4, 3, 40), [1, 2, 3, 4], durable=False)
+        left = objects.put(hidden_state_path(tmp_path, 5), threading.Event())
+    finally:
+        objects.close()
+    with pytest.raises(TimeoutError):
+        reader.store.get_sample(left, timeout=1)  # removed at close
+
+
+@pytest.fixture(scope="module")
+def mooncake_server(tmp_path_factory, tiny_llama, master):
+    server = Server(tiny_llama, tmp_path_factory.mktemp("spool-mc"), "--dtype", "float32", "--layers",
+                    ",".join(map(str, LAYERS)), "--transfer", "mooncake", "--mooncake-master", master.address,
+                    "--mooncake-global-segment-gib", str(SEGMENT_GIB), "--spool-ttl", str(TTL_S))  # fmt: skip
+    yield server
+    server.stop()
+
+
+def _rows(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 300, (n,), generator=g).tolist()
+    rows = [torch.randint(100, 40000, (k,), generator=g).tolist() for k in lengths]
+    return rows + [rows[0], rows[1][:40]]  # a twin and a prefix in flight together
+
+
+def _check(items, rows, ref: Reference) -> None:
+    for ids, item in zip(rows, items):
+        assert isinstance(item, dict), item  # not SampleUnavailable
+        assert item["input_ids"].tolist() == ids
+        got = torch.cat([item["hidden_states"].unflatten(1, (len(LAYERS), -1)),
+                         item["verifier_last_hidden_states"][:, None]], 1)  # fmt: skip
+        assert rel_err(got, ref.slots(ids, [*LAYERS, 6])) < 1e-4
+
+
+def test_speculators_mooncake_reader_gets_transformers_states(mooncake_server, master, tiny_llama, tmp_path):
+    """speculators' loader, six threads at once, reading every row from the store; the trainer removes each
+    object, and the server sees its room come back."""
+    rows = _rows(10, seed=1)
+    online = _online_dataset(_dataset(tmp_path / "data", rows), mooncake_server, _transfer(master))
+    with ThreadPoolExecutor(6) as pool:
+        items = list(pool.map(online.__getitem__, range(len(rows))))
+    _check(items, rows, Reference(tiny_llama))
+    assert mooncake_server.state_files() == []  # the spool's files went into the store
+    deadline = time.monotonic() + 10
+    while _health(mooncake_server)["store_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _health(mooncake_server)["store_bytes"] == 0
+
+
+def _health(server: Server) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(server.url.removesuffix("/v1") + "/health", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_an_uncollected_object_is_removed_and_a_full_store_makes_requests_wait(mooncake_server, master):
+    """A trainer killed after its answers never reads their objects: they go after the TTL.  Meanwhile the
+    store's share (80% of 16 MiB) is full, so the next request waits for the removal instead of failing."""
+    s = mooncake_server
+    big = [7] * 2000  # 2,000 x 3,072 bytes: 6.1 MB, two fill 12.3 MB of the 13.4 MB share
+    orphans = [s.post("/completions", {"model": s.model, "prompt": big})[1]["kv_transfer_params"] for _ in range(2)]
+    assert _health(s)["store_bytes"] > 12_000_000
+    t0 = time.monotonic()
+    got, answer = s.post("/completions", {"model": s.model, "prompt": [8] * 1500})
+    waited = time.monotonic() - t0
+    assert got == 200 and waited > TTL_S / 2, (got, answer, waited)  # it waited for the orphans, not failed
+    reader = _transfer(master)
+    reader.setup()
+    for orphan in orphans:
+        with pytest.raises(TimeoutError):
+            reader.store.get_sample(orphan, timeout=1)
+    assert reader.get_generated(answer["kv_transfer_params"])["token_ids"].tolist() == [8] * 1500
+    reader.delete(answer["kv_transfer_params"]["handle"])
+
+
+def test_a_stopped_master_is_a_503_with_one_line_and_a_restarted_one_serves_again(
+    mooncake_server, master, tiny_llama, tmp_path
+):
+    s = mooncake_server
+    master.stop()
+    t0 = time.monotonic()
+    got, answer = s.post("/completions", {"model": s.model, "prompt": [5, 6, 7]})
+    assert got == 503 and time.monotonic() - t0 < 30, (got, answer)
+    message = answer["error"]["message"]
+    assert "\n" not in message and message.startswith("the Mooncake store did not take the row (status -"), message
+    assert master.address in message
+    master.start()  # empty: the objects of before are gone, and the server's segment mounts again
+    rows = _rows(3, seed=2)
+    online = _online_dataset(_dataset(tmp_path / "data", rows), s, _transfer(master))
+    _check([online[i] for i in range(len(rows))], rows, Reference(tiny_llama))
