@@ -45,8 +45,13 @@ def sha256(path: Path) -> str:
 
 
 def download(lock: Path, wheels: Path) -> None:
-    """Fetch the locked wheels for CPython 3.12 on x86-64 Linux."""
-    platforms = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 26, 27, 28, 31)] + ["manylinux2014_x86_64"]
+    """Fetch the locked wheels for CPython 3.12 on x86-64 Linux.
+
+    pip matches a manylinux_2_N tag only when N is named, so every N from 17 to 39 is: vLLM 0.20.2's
+    GPU wheel is manylinux_2_35 and nvidia-nccl-cu13 2.30.7's manylinux_2_18. The lock's hashes pick
+    the files, so the wide list fetches nothing else; pip on the GPU machine refuses a wheel whose
+    glibc is newer than its own."""
+    platforms = [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["manylinux2014_x86_64"]
     cmd = [
         sys.executable,
         "-m",

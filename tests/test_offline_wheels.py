@@ -93,3 +93,30 @@ def test_a_wheel_cut_by_two_splits_is_named_unless_it_is_already_whole(tmp_path,
     (tmp_path / "j2" / "big-1.0-py3-none-any.whl").write_bytes((folder / "big-1.0-py3-none-any.whl").read_bytes())
     joined = offline_wheels.join(pieces, tmp_path / "j2", lock)  # an earlier join left it whole: nothing to cut
     assert all(path.read_bytes() == (folder / path.name).read_bytes() for path in joined)
+
+
+def test_a_build_tagged_wheel_is_read_from_the_lock_cut_and_joined(tmp_path):
+    """vLLM 0.21.0's GPU wheel carries a build tag (NAME-VERSION-BUILD-...): the lock's comment names it,
+    and its pieces join back under that name."""
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    name = "vllm-0.21.0-1-cp38-abi3-manylinux_2_24_x86_64.whl"
+    data = os.urandom(2_300_000)
+    (folder / name).write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    (tmp_path / "lock").write_text(f"vllm==0.21.0 --hash=sha256:{digest}  # {name}\n")
+    assert offline_wheels.locked_hashes(tmp_path / "lock") == {name: digest}
+    offline_wheels.split(folder, tmp_path / "pieces", max_mib=1)
+    assert sorted(p.name for p in (tmp_path / "pieces").glob("p*/*")) == [f"{name}.{n:03d}" for n in range(3)]
+    [joined] = offline_wheels.join(tmp_path / "pieces", tmp_path / "joined", tmp_path / "lock")
+    assert joined.read_bytes() == data
+
+
+def test_download_names_every_manylinux_level_a_locked_wheel_uses(monkeypatch, tmp_path):
+    """pip matches manylinux_2_N only when N is named: vLLM 0.20.2's wheel is manylinux_2_35, NCCL 2.30.7's
+    manylinux_2_18."""
+    seen = {}
+    monkeypatch.setattr(offline_wheels.subprocess, "run", lambda cmd, check: seen.setdefault("cmd", cmd))
+    offline_wheels.download(tmp_path / "lock", tmp_path / "wheels")
+    platforms = {seen["cmd"][i + 1] for i, arg in enumerate(seen["cmd"]) if arg == "--platform"}
+    assert {"manylinux_2_18_x86_64", "manylinux_2_24_x86_64", "manylinux_2_35_x86_64", "manylinux2014_x86_64"} <= platforms
