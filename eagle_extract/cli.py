@@ -12,13 +12,10 @@ import click
 
 from . import api
 from .checks import repairable
-from .config import ExtractConfig, ServeOptions, option_name, options_of
+from .config import ExtractConfig, ServeOptions, StoreSettings, option_name, options_of
 from .errors import ExtractError
 from .interrupts import stop_on_signals
 from .manifest import MANIFEST
-from .mooncake import StoreSettings
-
-M = StoreSettings()  # the Mooncake defaults, speculators' launcher's
 
 
 def parse_engine_args(pairs: tuple[str, ...]) -> dict:
@@ -70,28 +67,6 @@ def main():
     """eagle-extract: EAGLE-3 training data from models running in vLLM."""
 
 
-def _mooncake_options(command):
-    """The Mooncake options of speculators' launcher (hs-connectors' MooncakeBackend): its names and defaults."""
-    for option in reversed([
-        click.option("--mooncake-master", default=M.master, show_default=True, help="The Mooncake master's HOST:PORT."),
-        click.option("--mooncake-metadata-server", default=M.metadata_server, show_default=True,
-                     help="Mooncake's metadata server, or P2PHANDSHAKE."),
-        click.option("--mooncake-protocol", type=click.Choice(["tcp", "rdma"]), default=M.protocol, show_default=True,
-                     help="How the store moves the rows between nodes."),
-        click.option("--mooncake-device", default=M.device, help="RDMA device(s), e.g. mlx5_0,mlx5_1 [default: "
-                     "Mooncake's choice]"),
-        click.option("--mooncake-global-segment-gib", type=float, default=M.global_segment_gib, show_default=True,
-                     help="Memory this server lends the store, where rows wait for the trainer (filled to 80% at "
-                     "most, then requests wait)."),
-        click.option("--mooncake-local-buffer-gib", type=float, default=M.local_buffer_gib, show_default=True,
-                     help="The Mooncake client's own staging buffer (rows are put from buffers of the server's)."),
-        click.option("--mooncake-writer-threads", type=int, default=M.writer_threads, show_default=True,
-                     help="Rows put into the store at once."),
-    ]):  # fmt: skip
-        command = option(command)
-    return command
-
-
 def options(face: str):
     """The options command `face` takes (config.options_of) as its decorators, listed in its --help in that order."""
 
@@ -118,7 +93,6 @@ def extract_command(**options):
 
 @main.command("serve", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @options("serve")
-@_mooncake_options
 def serve_command(**options):
     """Serve each prompt's hidden states over HTTP to speculators' online trainer.
 
@@ -133,12 +107,11 @@ def serve_command(**options):
     own = {f.name for f in fields(ServeOptions)}
     opts = ServeOptions(**{name: options.pop(name) for name in [*options] if name in own})
     ctx = click.get_current_context()
-    store = {k: options.pop(k) for k in [k for k in options if k.startswith("mooncake_")]}
+    store = {f: options.pop(f.name) for f in fields(StoreSettings)}
     if opts.transfer == "mooncake":
-        opts.mooncake = StoreSettings(**{k.removeprefix("mooncake_"): v for k, v in store.items()})
-    elif stray := [k for k in store if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT]:
-        option = "--" + stray[0].replace("_", "-")
-        raise click.ClickException(f"{option} is for --transfer mooncake; add that, or leave it out")
+        opts.mooncake = StoreSettings(**{f.name: v for f, v in store.items()})
+    elif stray := [f for f in store if ctx.get_parameter_source(f.name) is not click.core.ParameterSource.DEFAULT]:
+        raise click.ClickException(f"{option_name(stray[0])} is for --transfer mooncake; add that, or leave it out")
     given = ctx.get_parameter_source("seq_length") is not click.core.ParameterSource.DEFAULT
     opts.whole_context = not given  # a trainer's rows can be as long as the model takes
 

