@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# benchmarks/online.py on one H200, inside scripts/gpu_run.sh (vLLM 0.26.0's lock; uvicorn, which the lock
+# benchmarks/online.py on one H200, inside scripts/gpu_run.sh (vLLM 0.26.0's lock, uvicorn included):
 # lacks, from .whl/): the bundled SmolLM2, or the Llama-3.1-8B shape with dummy weights and SmolLM2's
 # tokenizer; spools on tmpfs (/dev/shm) and on the machine's disk (the repository's folder).
 #   LOCK=gpu/requirements-gpu-vllm-0.26.0.lock bash scripts/gpu_run.sh /tmp/pieces bash benchmarks/online_h200.sh smollm2|llama8b OUT [shm|disk|mooncake]
 # (one spool: a call of 600 s holds one; both without the third argument).  `mooncake`: the file transfer and
 # `serve --transfer mooncake` (a mooncake_master on loopback TCP), both on tmpfs, no offline pass; it needs
-# Mooncake's cp312 wheel in .whl/ too (mooncake_transfer_engine*.whl; it links libibverbs.so.1).
+# Mooncake's cp312 wheel in .whl/ too (mooncake_transfer_engine*.whl; it links libibverbs.so.1, which the
+# image lacks: Debian's libibverbs1, libnl-3-200 and libnl-route-3-200 unpacked with `dpkg -x` into .whl/lib).
 set -euo pipefail
 which=${1:?smollm2 or llama8b}
 out=${2:?folder for the JSON}
 only=${3:-both}
-python3 -m pip install -q --no-index --no-deps --target /tmp/site-extra .whl/uvicorn-*.whl
-[ "$only" = mooncake ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site-extra .whl/mooncake_transfer_engine*.whl
-export PYTHONPATH=$PYTHONPATH:/tmp/site-extra
+if [ "$only" = mooncake ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site-extra .whl/mooncake_transfer_engine*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site-extra
+  # The image has no libibverbs (Mooncake links it even for TCP): Debian's, unpacked into .whl/lib, when carried.
+  [ -d .whl/lib ] && export LD_LIBRARY_PATH=$PWD/.whl/lib:${LD_LIBRARY_PATH:-}
+fi
 disk=$PWD/spool-disk
 mkdir -p /dev/shm/spool "$disk"
 if [ "$which" = llama8b ]; then
