@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # benchmarks/online.py on one H200, inside scripts/gpu_run.sh (vLLM 0.26.0's lock, uvicorn included):
-# lacks, from .whl/): the bundled SmolLM2, or the Llama-3.1-8B shape with dummy weights and SmolLM2's
+# the bundled SmolLM2, or the Llama-3.1-8B shape with dummy weights and SmolLM2's
 # tokenizer; spools on tmpfs (/dev/shm) and on the machine's disk (the repository's folder).
 #   LOCK=gpu/requirements-gpu-vllm-0.26.0.lock bash scripts/gpu_run.sh /tmp/pieces bash benchmarks/online_h200.sh smollm2|llama8b OUT [shm|disk|mooncake]
 # (one spool: a call of 600 s holds one; both without the third argument).  `mooncake`: the file transfer and
