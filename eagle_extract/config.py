@@ -346,7 +346,7 @@ class StoreSettings:
     local_buffer_gib: float = option(2.0, help="The Mooncake client's own staging buffer (rows are put from "
                                      "buffers of the server's).", name="--mooncake-local-buffer-gib",
                                      faces=SERVE)  # fmt: skip
-    writer_threads: int = option(4, help="Rows put into the store at once.", name="--mooncake-writer-threads",
+    put_threads: int = option(4, help="Rows put into the store at once.", name="--mooncake-writer-threads",
                                  faces=SERVE)  # fmt: skip
 
     @property
@@ -357,15 +357,15 @@ class StoreSettings:
         host, _, port = self.master.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ExtractError(f"--mooncake-master {self.master}: give the master's HOST:PORT (e.g. 127.0.0.1:50051)")
-        if not MIN_SEGMENT <= self.segment_bytes < 2**50:
+        if not MIN_SEGMENT / 2**30 <= self.global_segment_gib < 2**20:  # NaN fails too
             raise ExtractError(
                 f"--mooncake-global-segment-gib {self.global_segment_gib:g}: give the GiB of memory this server "
                 "lends the store for the rows waiting for the trainer, at least 1/64 (Mooncake's least)"
             )
-        if not 0 <= self.local_buffer_gib < 2**20:
+        if not 0 <= self.local_buffer_gib < 2**20:  # NaN fails too
             raise ExtractError(f"--mooncake-local-buffer-gib {self.local_buffer_gib:g}: give a size in GiB, 0 or more")
-        if self.writer_threads < 1:
-            raise ExtractError(f"--mooncake-writer-threads {self.writer_threads}: give 1 or more")
+        if self.put_threads < 1:
+            raise ExtractError(f"--mooncake-writer-threads {self.put_threads}: give 1 or more")
 
 
 def options_of(face: str) -> list[Field]:

@@ -50,9 +50,8 @@ def prepare_environment(tp: int, pp: int, dtype: str = "auto") -> None:
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     if not on_gpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        # Every core to the workers: vLLM's own default leaves one per worker to its scheduler process, which
-        # waits while the workers compute (one worker on 2 cores: 1.8x faster, docs/benchmarks.md).
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp * pp))
+        if tp * pp > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp * pp))
 
 
 OWNED_ARGS = {  # engine arguments that eagle-extract's own options set

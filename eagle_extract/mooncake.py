@@ -72,7 +72,7 @@ class MooncakeObjects:
         self.settings, self.ttl = settings, ttl
         self.limit = int(settings.segment_bytes * SEGMENT_SHARE)
         self.prefix = f"eagle-{secrets.token_hex(4)}-"
-        self.pool = ThreadPoolExecutor(settings.writer_threads, thread_name_prefix="eagle-mooncake")
+        self.pool = ThreadPoolExecutor(settings.put_threads, thread_name_prefix="eagle-mooncake")
         self.expired = 0
         self._numbers = itertools.count()
         self._objects: dict[str, tuple[int, float]] = {}  # put, not yet seen gone: bytes, time put
