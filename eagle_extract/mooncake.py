@@ -197,7 +197,10 @@ class MooncakeObjects:
 
     def _sweeper(self) -> None:
         while not self._stop.wait(SWEEP_S):
-            self.sweep()
+            try:
+                self.sweep()
+            except Exception:  # a master that fails one look is asked again: a dead sweeper frees no room
+                continue
 
     def sweep(self) -> None:
         """Forget the objects the trainer removed (or a restarted master lost); remove those older than `ttl`."""
@@ -208,8 +211,7 @@ class MooncakeObjects:
         there = self._store.batch_is_exist([key for key, _ in objects])
         now, gone = time.monotonic(), []
         for (key, (_, at)), found in zip(objects, there):
-            if found == 1 and now - at > self.ttl:
-                self._store.remove(key, force=True)
+            if found == 1 and now - at > self.ttl and self._store.remove(key, force=True) == 0:
                 self.expired += 1
                 gone.append(key)
             elif found == 0:
