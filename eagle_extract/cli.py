@@ -44,8 +44,9 @@ def click_option(f: Field, help: str | None = None):
         return click.option(name, f.name, multiple=True, metavar=meta["metavar"],
                             callback=lambda ctx, param, pairs: parse_engine_args(pairs), help=help)  # fmt: skip
     given = click.Choice(meta["choices"]) if meta["choices"] else click.Path(path_type=Path) if kind is Path else kind
-    return click.option(name, f.name, type=given, default=f.default, show_default=f.default is not None and not meta["shown"],
-                        metavar=meta["metavar"], help=help)  # fmt: skip
+    shown = f.default is not None and not meta["shown"]  # else --help has the words already
+    return click.option(name, f.name, type=given, default=f.default, show_default=shown, metavar=meta["metavar"],
+                        help=help)  # fmt: skip
 
 
 def engine_arg_option(help: str):
