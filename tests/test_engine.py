@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import os
 
-from eagle_extract.engine import prepare_environment
+import pytest
+
+from eagle_extract.engine import _PER_RUN, cpu_thread_binding, prepare_environment
+
+
+@pytest.fixture(autouse=True)
+def _restore_engine_environment(monkeypatch):
+    """prepare_environment sets variables for one engine; left behind, they would bind later engines of the suite."""
+    for key in _PER_RUN:
+        monkeypatch.setenv(key, "")  # records the original, so teardown restores it
+        monkeypatch.delenv(key)
 
 
 def test_float32_asks_triton_for_ieee_float32_unless_set(monkeypatch):
-    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
     prepare_environment(1, 1, "bfloat16")
     assert "TRITON_F32_DEFAULT" not in os.environ
     prepare_environment(1, 1, "float32")
@@ -16,3 +25,22 @@ def test_float32_asks_triton_for_ieee_float32_unless_set(monkeypatch):
     monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32")
     prepare_environment(1, 1, "float32")
     assert os.environ["TRITON_F32_DEFAULT"] == "tf32"
+
+
+def test_one_cpu_worker_is_bound_to_every_core_unless_set(monkeypatch):
+    cores = sorted(os.sched_getaffinity(0))
+    prepare_environment(1, 1, "bfloat16")
+    bound = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    named = {c for part in bound.split(",") for c in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)}
+    assert "|" not in bound and named == set(cores)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    prepare_environment(1, 1, "bfloat16")
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+
+
+def test_cpu_binding_names_only_the_cores_given():
+    assert cpu_thread_binding(1, [0, 1]) == "0-1"
+    assert cpu_thread_binding(2, [0, 1, 2, 3]) == "0-1|2-3"
+    assert cpu_thread_binding(1, [3, 5, 6, 7]) == "3,5-7"  # a gap is not bridged: 4 is not ours
+    assert cpu_thread_binding(2, [1, 3, 4, 9]) == "1,3|4,9"
+    assert cpu_thread_binding(3, [0, 1]) == "0|1|1"  # more workers than cores share the last
