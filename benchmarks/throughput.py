@@ -227,6 +227,7 @@ def main() -> None:
     from transformers import AutoConfig
     from vllm import SamplingParams, TokensPrompt
 
+    from eagle_extract.capture_spec import CaptureSpec, host_bytes_per_rank
     from eagle_extract.cli import parse_engine_args
     from eagle_extract.config import ExtractConfig
     from eagle_extract.engine import start_engine
@@ -264,7 +265,7 @@ def main() -> None:
         written: dict[tuple[str, int], int] = {}
         host_peak: dict[tuple[str, int], int] = {}
         plain, vllm_own, vllm_written, disk = [], [], [], []
-        budget = int(args.host_memory * 2**30) if args.host_memory else None
+        budget = host_bytes_per_rank(args.host_memory, 1)
         for rep in range(args.reps):
             t = time.perf_counter()
             llm.generate(batch, params, use_tqdm=False)
@@ -273,8 +274,8 @@ def main() -> None:
             for storage, n in runs:
                 shutil.rmtree(args.out, ignore_errors=True)
                 os.sync()  # the last run's deletions and writes are not charged to this one
-                install = (str(args.out), aux, None, storage == "fp8", False, n or None, budget)
-                llm.collective_rpc("eagle_install", args=install)
+                spec = CaptureSpec(str(args.out), tuple(aux), budget, fp8=storage == "fp8", writer_threads=n or None)
+                llm.collective_rpc("eagle_install", args=(spec.as_rpc(),))
                 t = time.perf_counter()
                 llm.collective_rpc("eagle_expect", args=([(i, p) for i, p in enumerate(prompts)],))
                 llm.generate(batch, params, use_tqdm=False)

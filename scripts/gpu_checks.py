@@ -26,7 +26,9 @@ Runs on a machine with vLLM (GPU build) installed, from the repository root:
    wrapper in the manifest); `kimi-int4-bench`: the same timed against plain prefill in bf16 and FP8
    storage, fsynced;
    `kimi-int4-vs-bf16`: the same at 4 layers with INT4 and with bf16 experts, one engine after the other.
-11. `ray` (one GPU): vLLM's Ray executor (Ray from gpu/requirements-ray.lock): SmolLM2 bf16 rows bitwise
+11. `builtin` (GPU): SmolLM2 bf16 rows, one request per generate call, bitwise against vLLM's own
+   `extract_hidden_states` with `ExampleHiddenStatesConnector` on the same token ids.
+12. `ray` (one GPU): vLLM's Ray executor (Ray from gpu/requirements-ray.lock): SmolLM2 bf16 rows bitwise
    equal to the multiprocess executor's, a Ray worker killed mid-run (the engine watch's one line, no
    process left), and the same command resuming it to the same bits; `executor-dry-run` runs the same
    with the multiprocess executor, for a machine without Ray.
@@ -682,6 +684,60 @@ def pp_checks(work: Path, data: Path) -> None:
         check(f"{kind} float32 --pp 2 vs transformers float32, < 1e-4", vs_transformers)
 
 
+def builtin_checks(work: Path, data: Path) -> None:
+    """SmolLM2 bf16, one request per generate call on both sides (a fixed batch, so fixed rounding):
+    eagle-extract's rows against vLLM's own extract_hidden_states + ExampleHiddenStatesConnector."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    from eagle_extract.smollm2 import ensure_smollm2
+
+    def fn():
+        model = ensure_smollm2(work / "cache")
+        ours = extracted(model, data, work / "bf16-own", *BUDGET, "--dtype", "bfloat16", "--batch-size", "1")
+        manifest = json.loads((ours / "eagle_extract.json").read_text())
+        store = work / "builtin-store"
+        store.mkdir(exist_ok=True)
+        llm = LLM(
+            model=str(model),
+            dtype="bfloat16",
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            enable_chunked_prefill=False,  # the connector refuses chunked prefill
+            max_model_len=manifest["seq_length"] + 1,
+            gpu_memory_utilization=0.5,
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": manifest["slot_layer_ids"]}},
+            },
+            kv_transfer_config={
+                "kv_connector": "ExampleHiddenStatesConnector",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(store)},
+            },
+        )
+        from safetensors.torch import load_file
+
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from throughput import wait_for_files
+
+        equal, shapes = 0, set()
+        n = manifest["num_samples"]
+        for i in range(n):
+            row = load_row(ours, i)
+            out = llm.generate([TokensPrompt(prompt_token_ids=row["token_ids"].tolist())],
+                               SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)  # fmt: skip
+            wait_for_files(out)
+            theirs = load_file(out[0].kv_transfer_params["hidden_states_path"])
+            got, want = row["hidden_states"], theirs["hidden_states"][: len(row["token_ids"])]
+            shapes.add((tuple(got.shape), tuple(theirs["hidden_states"].shape)))
+            equal += got.shape == want.shape and torch.equal(got, want.to(got.dtype))
+        del llm
+        return equal == n, f"{equal} of {n} rows bitwise equal; shapes (ours, theirs) e.g. {sorted(shapes)[:2]}"
+
+    check("smollm2 bf16 rows vs vLLM's own extract_hidden_states, one request per call, bitwise", fn)
+
+
 def copy_checks() -> None:
     def fn():
         rows, equal = capture_vs_synchronous(DEVICE, hidden=4096, layers=8, steps=8, step_tokens=8192)
@@ -710,6 +766,8 @@ def main() -> None:
         copy_checks()
     if "smollm2" in parts or "smollm2-fp32" in parts:
         smollm2_checks(args.work, data, only_fp32="smollm2" not in parts)
+    if "builtin" in parts:
+        builtin_checks(args.work, data)
     if "moe" in parts:
         moe_checks(args.work, data, tp2=DEVICE == "cpu" or torch.cuda.device_count() >= 2)
     if "dp" in parts and torch.cuda.device_count() >= 2:
