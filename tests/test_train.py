@@ -20,6 +20,12 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(TRAIN / name), *args], capture_output=True, text=True)
 
 
+def failure(proc: subprocess.CompletedProcess) -> str:
+    """The lines naming an error anywhere in the output (an engine's root cause is logged far above its end)."""
+    named = [line for line in proc.stderr.splitlines() if "Error" in line or "error:" in line]
+    return "\n".join(named[:20]) + "\n...\n" + proc.stderr[-1500:]
+
+
 def test_draft_takes_the_extracted_layers_and_vllm_serves_it(tmp_path, smollm2_bf16_out):
     manifest = json.loads((smollm2_bf16_out / "eagle_extract.json").read_text())
     draft = tmp_path / "draft"
@@ -38,7 +44,7 @@ def test_draft_takes_the_extracted_layers_and_vllm_serves_it(tmp_path, smollm2_b
     args = ["--verifier", manifest["model"], "--draft", str(draft), "--prompts", str(prompts), "--max-tokens", "24"]
     proc = run_script("check_draft.py", *args, "--modes", "plain,eagle3", "--engine-arg", 'dtype="float32"',
                       "--json", str(out))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc)
     plain, eagle = json.loads(out.read_text())["results"]
     assert eagle["drafts"] > 0  # the draft was asked
     rates = eagle["acceptance_rate_per_position"]
