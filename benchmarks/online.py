@@ -128,13 +128,20 @@ def _transfer(datapath: str, master: str | None):
 CLIENT_SEGMENT_GIB = 1.0  # each client's own segment (speculators mounts one per data-loader worker)
 
 
-def _client(datapath: str, port: int, model: str, max_len: int, master: str | None) -> None:
-    global _DATASET
-    from speculators.train.data import ArrowDataset
+_SETUP_ERROR = None  # why this client process could not build its dataset (a pool's initializer that raises
+# breaks the whole pool, and its traceback goes only to the process's stderr)
 
-    _DATASET = ArrowDataset(max_len=max_len, datapath=datapath, transfer=_transfer(datapath, master),
-                            vllm_endpoint=f"http://127.0.0.1:{port}/v1", model=model, on_missing="generate",
-                            train_ratio=1.0, split="train", request_timeout=600, max_retries=1)  # fmt: skip
+
+def _client(datapath: str, port: int, model: str, max_len: int, master: str | None) -> None:
+    global _DATASET, _SETUP_ERROR
+    try:
+        from speculators.train.data import ArrowDataset
+
+        _DATASET = ArrowDataset(max_len=max_len, datapath=datapath, transfer=_transfer(datapath, master),
+                                vllm_endpoint=f"http://127.0.0.1:{port}/v1", model=model, on_missing="generate",
+                                train_ratio=1.0, split="train", request_timeout=600, max_retries=1)  # fmt: skip
+    except BaseException as exc:  # noqa: BLE001 - reported by _ready, in the driver's output
+        _SETUP_ERROR = f"{type(exc).__name__}: {exc}"
 
 
 def _fetch(index: int) -> str | None:
@@ -143,9 +150,10 @@ def _fetch(index: int) -> str | None:
     return None if isinstance(item, dict) else str(item)
 
 
-def _ready(_) -> bool:
+def _ready(_) -> str | None:
+    """None once this client is set up, else why not."""
     time.sleep(0.5)  # long enough that every process of the pool takes one
-    return _DATASET is not None
+    return None if _DATASET is not None else (_SETUP_ERROR or "not set up")
 
 
 def online(pool, rows: int) -> float:
@@ -168,7 +176,9 @@ def serve_pass(args, datapath: Path, spool: Path, master: str | None = None) -> 
         init = (str(datapath), server.port, args.model, args.prompt_len + 1, master)
         with ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_client, initargs=init) as pool:  # fmt: skip
-            assert all(pool.map(_ready, range(2 * args.clients)))  # every client started, before the clock
+            unready = [why for why in pool.map(_ready, range(2 * args.clients)) if why]  # before the clock
+            if unready:
+                raise SystemExit(f"{len(unready)} of {2 * args.clients} client checks failed, first: {unready[0]}")
             on = [online(pool, args.rows) for _ in range(args.reps)]
     finally:
         said = server.stop()

@@ -34,4 +34,4 @@ spools=(--spool /dev/shm/spool --spool "$disk")
 [ "$only" = disk ] && spools=(--spool "$disk")
 [ "$only" = mooncake ] && spools=(--spool /dev/shm/spool --mooncake --no-offline)
 python3 benchmarks/online.py "${args[@]}" --dtype bfloat16 --clients 12 "${spools[@]}" \
-  --json "$out/online-$which-$only.json" 2>&1 | grep -v -i warning | tail -20
+  --json "$out/online-$which-$only.json" 2>&1 | tee "$out/online-$which-$only.log" | grep -v -i warning | tail -20

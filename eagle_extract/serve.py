@@ -573,6 +573,14 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
     tokenizer = load_tokenizer(cfg)
     _port_free(opts.host, opts.port)
     objects = MooncakeObjects(opts.mooncake, opts.spool_ttl) if opts.mooncake else None
+    try:
+        return _serve(cfg, opts, log, shape, aux_ids, tokenizer, objects)
+    finally:  # whatever failed (the engine's start too), our segment leaves the store and nothing of ours stays
+        if objects:
+            objects.close()
+
+
+def _serve(cfg: ExtractConfig, opts: ServeOptions, log, shape, aux_ids, tokenizer, objects) -> int:
     if objects:
         objects.connect()  # before the engine: a master that does not answer is one line, now
     root = opts.spool or Path(tempfile.gettempdir())
