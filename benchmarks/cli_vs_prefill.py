@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+RESULT = "prefill: "
 sys.path.insert(0, str(REPO))
 
 
@@ -58,7 +59,8 @@ def prefill(args, out: Path) -> dict:
     wall = time.perf_counter() - t
     if proc.returncode:
         raise SystemExit(f"plain prefill failed: {proc.stderr.strip()[-2000:]}")
-    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "wall_s": wall}
+    said = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]  # vLLM prints to stdout too
+    return {**json.loads(said[-1][len(RESULT) :]), "wall_s": wall}
 
 
 def prefill_here(args) -> None:
@@ -83,7 +85,7 @@ def prefill_here(args) -> None:
     for i in range(0, len(rows), cfg.batch_size):
         llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows[i : i + cfg.batch_size]], params, use_tqdm=False)
     work = time.perf_counter() - t
-    print(json.dumps({"tokens": sum(map(len, rows)), "start_s": start, "work_s": work}))
+    print(RESULT + json.dumps({"tokens": sum(map(len, rows)), "start_s": start, "work_s": work}), flush=True)
 
 
 def main() -> None:
