@@ -21,13 +21,13 @@ import threading
 import time
 from pathlib import Path
 
-from eagle_extract.completion import _name_by_index
-from eagle_extract.data import Sample, Skipped
-from eagle_extract.rowfile import hidden_state_path
-from eagle_extract.shards import rows_folder
-from eagle_extract.store import DatasetRows, TokenStore
-from eagle_extract.stream import CHUNK_ROWS
-from eagle_extract.writer import write_dataset
+from eagle_extract.data.samples import Sample, Skipped
+from eagle_extract.data.store import DatasetRows, TokenStore
+from eagle_extract.files.rowfile import hidden_state_path
+from eagle_extract.files.shards import rows_folder
+from eagle_extract.files.writer import write_dataset
+from eagle_extract.job.completion import _name_by_index
+from eagle_extract.job.stream import CHUNK_ROWS
 
 
 def _rss() -> tuple[int, int]:

@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import save_file
 
 from eagle_extract.atomic import write_atomically
-from eagle_extract.rowfile import checksum, hidden_state_path, row_metadata
-from eagle_extract.writer import write_hidden_states
+from eagle_extract.files.rowfile import checksum, hidden_state_path, row_metadata
+from eagle_extract.files.writer import write_hidden_states
 
 LAYER_IDS = [2, 30, 58, 61]
 

@@ -227,12 +227,12 @@ def main() -> None:
     from transformers import AutoConfig
     from vllm import SamplingParams, TokensPrompt
 
-    from eagle_extract.capture_spec import CaptureSpec, host_bytes_per_rank
-    from eagle_extract.cli import parse_engine_args
     from eagle_extract.config import ExtractConfig
-    from eagle_extract.engine import start_engine
+    from eagle_extract.faces.cli import parse_engine_args
+    from eagle_extract.files.writer import default_writer_threads
+    from eagle_extract.job.engine import start_engine
     from eagle_extract.layers import parse_layer_ids
-    from eagle_extract.writer import default_writer_threads
+    from eagle_extract.worker.capture_spec import CaptureSpec, host_bytes_per_rank
 
     text = AutoConfig.from_pretrained(args.model).get_text_config()
     aux = parse_layer_ids(args.layers, text.num_hidden_layers)

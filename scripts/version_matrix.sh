@@ -60,7 +60,7 @@ for v in "${releases[@]}"; do
     rows+=("| $v | $torch_version | | install failed | | | | | | | | | $(tail -1 "$log") |"); continue
   fi
   versions=$("$venv/bin/python" -c 'import torch, transformers; print(torch.__version__, transformers.__version__)')
-  imports=$("$venv/bin/python" -c 'import eagle_extract.run, eagle_extract.worker' >> "$log" 2>&1 && echo yes || echo no)
+  imports=$("$venv/bin/python" -c 'import eagle_extract.job.run, eagle_extract.worker.extension' >> "$log" 2>&1 && echo yes || echo no)
   # A release whose CPU worker refuses to start without tcmalloc and Intel OpenMP preloaded (0.18; later
   # ones only warn) runs with both: Debian's libtcmalloc-minimal4 and the intel-openmp wheel.
   preload= worker=$(echo "$venv"/lib/python3*/site-packages/vllm/v1/worker/cpu_worker.py)

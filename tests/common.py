@@ -140,9 +140,9 @@ def capture_vs_synchronous(
     copies quantised on the host.  `budget` is the capture's hostmem.ByteBudget.
     Returns (rows compared, rows bitwise equal to the synchronous copies).
     """
-    from eagle_extract.capture import StepCapture, _layer_inputs
-    from eagle_extract.fp8 import to_fp8
-    from eagle_extract.model_nav import DecoderStack
+    from eagle_extract.files.fp8 import to_fp8
+    from eagle_extract.worker.capture import StepCapture, _layer_inputs
+    from eagle_extract.worker.model_nav import DecoderStack
 
     gen = torch.Generator().manual_seed(0)
     embed = torch.nn.Embedding(1000, hidden).to(device)
@@ -154,7 +154,7 @@ def capture_vs_synchronous(
     def keep(i, rows, ids):
         got[i] = (rows.states, rows.scales)
 
-    from eagle_extract.hostmem import ByteBudget
+    from eagle_extract.worker.hostmem import ByteBudget
 
     capture = StepCapture(stack, aux, keep, budget or ByteBudget(2**30), fp8=fp8)
     capture.install()

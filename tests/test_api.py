@@ -70,7 +70,7 @@ def test_bad_input_raises_the_clis_line(tmp_path):
 def test_cli_and_api_share_names_and_defaults():
     """Every CLI option is an ExtractConfig field of the same name and default (--engine-arg KEY=VALUE
     pairs become the engine_args dict)."""
-    from eagle_extract.cli import extract_command
+    from eagle_extract.faces.cli import extract_command
 
     parsed = extract_command.make_context("extract", []).params
     defaults = ExtractConfig()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle_extract.fp8 import to_fp8
+from eagle_extract.files.fp8 import to_fp8
 
 from .common import capture_vs_synchronous
 
@@ -22,7 +22,7 @@ def test_a_budget_smaller_than_one_step_slows_the_capture_but_never_stops_it():
     every step waits for room, and the assembly thread must never wait on rows it holds itself."""
     import threading
 
-    from eagle_extract.hostmem import ByteBudget
+    from eagle_extract.worker.hostmem import ByteBudget
 
     budget, result = ByteBudget(1), []
     run = threading.Thread(target=lambda: result.append(capture_vs_synchronous("cpu", budget=budget)), daemon=True)
@@ -58,9 +58,9 @@ def test_fp8_layout_is_speculators():
 def test_rows_the_engine_ran_without_a_match_and_steps_without_token_ids_are_counted():
     """Once the engine has run a batch (settle), its rows still waiting are unmatched and no longer waited
     for; a step whose token-id hook never fired is a dropped step, its tokens counted."""
-    from eagle_extract.capture import StepCapture
-    from eagle_extract.hostmem import ByteBudget
-    from eagle_extract.model_nav import DecoderStack
+    from eagle_extract.worker.capture import StepCapture
+    from eagle_extract.worker.hostmem import ByteBudget
+    from eagle_extract.worker.model_nav import DecoderStack
 
     from .common import _ToyLayer
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from eagle_extract.data import tokenize_conversation
+from eagle_extract.data.samples import tokenize_conversation
 
 LLAMA3 = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"

@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle_extract.checks import find_problems
-from eagle_extract.data import Sample
-from eagle_extract.manifest import write_manifest
-from eagle_extract.rowfile import hidden_state_path, read_row
-from eagle_extract.stages import join_row, part_root
-from eagle_extract.store import DatasetRows, TokenStore
-from eagle_extract.writer import write_dataset, write_hidden_states, write_legacy
+from eagle_extract.data.samples import Sample
+from eagle_extract.data.store import DatasetRows, TokenStore
+from eagle_extract.files.checks import find_problems
+from eagle_extract.files.manifest import write_manifest
+from eagle_extract.files.rowfile import hidden_state_path, read_row
+from eagle_extract.files.writer import write_dataset, write_hidden_states, write_legacy
+from eagle_extract.worker.stages import join_row, part_root
 
 AUX, FINAL, HIDDEN = [2, 15, 27], 30, 8
 SLOTS = AUX + [FINAL]
@@ -236,7 +236,7 @@ def test_rows_written_before_rows_recorded_checksums_still_pass(tmp_path):
 def test_a_header_that_lost_its_checksum_cannot_hide_a_changed_byte(tmp_path):
     """Dropping the key and flipping a state bit: the row still records its layer ids, which the same
     release writes with the checksum; and the manifest of this release says every row carries one."""
-    from eagle_extract.rowfile import NO_CHECKSUM
+    from eagle_extract.files.rowfile import NO_CHECKSUM
 
     out, manifest = make_output(tmp_path)
     path = hidden_state_path(out, 1)
@@ -267,7 +267,7 @@ def test_joined_pipeline_rows_record_every_slot_and_parts_are_checked(tmp_path):
 
 @pytest.mark.parametrize("legacy", [False, True])
 def test_a_resume_finds_what_a_power_cut_leaves_by_the_headers(tmp_path, legacy):
-    from eagle_extract.rowfile import header_problem
+    from eagle_extract.files.rowfile import header_problem
 
     out, _ = make_output(tmp_path, legacy)
     path = hidden_state_path(out, 0, legacy)
@@ -284,7 +284,7 @@ def test_a_resume_finds_what_a_power_cut_leaves_by_the_headers(tmp_path, legacy)
 def _verify_cli(out) -> tuple[int, list[str]]:
     from click.testing import CliRunner
 
-    from eagle_extract.cli import main
+    from eagle_extract.faces.cli import main
 
     result = CliRunner().invoke(main, ["verify", str(out)])
     return result.exit_code, [line for line in result.stderr.splitlines() if line.strip()]

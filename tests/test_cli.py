@@ -14,7 +14,7 @@ import pytest
 
 from eagle_extract.config import ExtractConfig, ServeOptions, option_name, options_of
 from eagle_extract.errors import ExtractError
-from eagle_extract.preflight import check_ranges
+from eagle_extract.job.preflight import check_ranges
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -69,7 +69,7 @@ def test_each_commands_help_lists_the_options_it_takes_with_their_help():
     fails here (whitespace aside: click wraps the lines)."""
     from click.testing import CliRunner
 
-    from eagle_extract.cli import extract_command, serve_command
+    from eagle_extract.faces.cli import extract_command, serve_command
 
     for command, face in ((extract_command, "extract"), (serve_command, "serve")):
         assert [p.opts[0] for p in command.params] == [option_name(f) for f in options_of(face)]

@@ -8,8 +8,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from eagle_extract.data import load_samples, tokenize_conversation
-from eagle_extract.formats import BadRow, DataError, to_record
+from eagle_extract.data.formats import BadRow, DataError, to_record
+from eagle_extract.data.samples import load_samples, tokenize_conversation
 
 from .common import assert_documented
 

@@ -7,8 +7,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from eagle_extract.data import load_samples, tokenize_conversation
-from eagle_extract.formats import DataError
+from eagle_extract.data.formats import DataError
+from eagle_extract.data.samples import load_samples, tokenize_conversation
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

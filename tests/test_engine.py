@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from eagle_extract.engine import _PER_RUN, cpu_thread_binding, prepare_environment
+from eagle_extract.job.engine import _PER_RUN, cpu_thread_binding, prepare_environment
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import torch
 from datasets import load_from_disk
 
 from eagle_extract import ExtractError
-from eagle_extract.manifest import read_manifest
+from eagle_extract.files.manifest import read_manifest
 
 from .common import AVX512, Reference, compare_with_reference, load_row, rel_err
 from .conftest import BUDGET, extract

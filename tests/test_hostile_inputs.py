@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from eagle_extract.config import ExtractConfig
-from eagle_extract.plan import make_plan
+from eagle_extract.job.plan import make_plan
 
 from .common import SAMPLE_DATA, assert_documented, documented_errors
 from .conftest import run_cli
@@ -36,7 +36,7 @@ def _rows(path, rows):
 
 
 B = "`"  # the doc's case cells quote options in backticks
-HOLD = "import sys, time; from eagle_extract.lock import holding\nwith holding(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)"
+HOLD = "import sys, time; from eagle_extract.job.lock import holding\nwith holding(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)"
 
 
 def _cases(tmp, model):
@@ -247,7 +247,7 @@ def test_every_hostile_input_gets_the_one_line_docs_errors_md_gives(tmp_path, sm
     row of the doc's table is met here or by the test ELSEWHERE names."""
     from click.testing import CliRunner
 
-    from eagle_extract.cli import main
+    from eagle_extract.faces.cli import main
 
     documented = documented_errors(SECTION)
     cases = _cases(tmp_path, smollm2)
@@ -285,7 +285,7 @@ def test_every_hostile_input_gets_the_one_line_docs_errors_md_gives(tmp_path, sm
 def test_an_unwritable_cache_for_the_bundled_model_is_one_line(tmp_path):
     from click.testing import CliRunner
 
-    from eagle_extract.cli import main
+    from eagle_extract.faces.cli import main
 
     (tmp_path / "a-file").write_text("x")  # root writes through permission bits: a file in the path stops anyone
     env = {"EAGLE_EXTRACT_CACHE": str(tmp_path / "a-file" / "cache")}

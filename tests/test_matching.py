@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle_extract.matching import RequestMatcher, segments
+from eagle_extract.worker.matching import RequestMatcher, segments
 
 
 def test_segments_split_on_position_restarts_and_jumps():
@@ -89,7 +89,7 @@ def test_pending_lists_unfinished_rows():
 
 def test_a_run_stops_once_half_of_its_latest_rows_find_no_states():
     """From the (settled, unmatched) totals after each batch: the last 64 or more settled rows decide."""
-    from eagle_extract.run import stopped_matching
+    from eagle_extract.job.run import stopped_matching
 
     assert stopped_matching([(0, 0), (256, 0)]) is None
     assert stopped_matching([(0, 0), (7, 7)]) is None  # too few to say

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.nn as nn
 
-from eagle_extract.model_nav import DecoderNotFound, find_decoder
+from eagle_extract.worker.model_nav import DecoderNotFound, find_decoder
 
 
 class PPMissingLayer(nn.Identity):  # same class name as vLLM's placeholder

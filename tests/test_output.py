@@ -15,9 +15,9 @@ from dataclasses import replace
 
 import pytest
 
-from eagle_extract import output as out
 from eagle_extract.errors import ExtractError
-from eagle_extract.lock import MAIN, holding
+from eagle_extract.job import output as out
+from eagle_extract.job.lock import MAIN, holding
 
 IDENTITY = {"model": "m", "aux_layer_ids": [2, 15, 27]}
 
@@ -34,7 +34,7 @@ def _complete(folder, rows: str, identity=IDENTITY):
 
 def _holder(folder, shard=None) -> subprocess.Popen:
     """Another process holding `folder`'s lock (a shard's when `shard`) until killed."""
-    code = "import sys, time\nfrom eagle_extract.lock import holding\n"
+    code = "import sys, time\nfrom eagle_extract.job.lock import holding\n"
     code += f"with holding(sys.argv[1], {shard!r}):\n    print(1, flush=True)\n    time.sleep(120)"
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "1\n"
@@ -231,7 +231,7 @@ def test_a_resume_must_share_what_changes_the_states_and_is_told_of_other_releas
 
 def test_the_identity_holds_the_tokenizer_and_template_and_only_engine_arguments_that_change_states(tmp_path, smollm2):
     from eagle_extract.config import ExtractConfig
-    from eagle_extract.plan import make_plan
+    from eagle_extract.job.plan import make_plan
 
     data = tmp_path / "rows.jsonl"
     data.write_text(
@@ -258,7 +258,7 @@ def test_merge_checks_the_recorded_settings_but_not_the_engine_arguments(tmp_pat
     """`merge` starts no engine: an engine argument this vLLM does not know (the shards may have run on
     another) is not refused, while the other checks still are made."""
     from eagle_extract.config import ExtractConfig
-    from eagle_extract.plan import make_plan
+    from eagle_extract.job.plan import make_plan
 
     data = tmp_path / "rows.jsonl"
     data.write_text(

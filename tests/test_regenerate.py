@@ -17,8 +17,8 @@ import time
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
-from eagle_extract.data import tokenize_conversation
-from eagle_extract.regenerate import JOURNAL
+from eagle_extract.data.samples import tokenize_conversation
+from eagle_extract.job.regenerate import JOURNAL
 
 from .common import SAMPLE_DATA
 from .conftest import run_cli
@@ -116,8 +116,8 @@ def test_kept_answers_replay_every_turn_and_a_torn_last_line_is_dropped(tmp_path
     later turns see the kept answers, a turn that no longer fits --seq-length still ends its conversation,
     and a line a power cut tore is dropped and cut off, so the next append starts a whole line."""
     from eagle_extract.config import ExtractConfig
-    from eagle_extract.formats import Record
-    from eagle_extract.regenerate import Journal, regenerate
+    from eagle_extract.data.formats import Record
+    from eagle_extract.job.regenerate import Journal, regenerate
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     user = lambda text: {"role": "user", "content": text}  # noqa: E731

@@ -18,11 +18,11 @@ from datasets import load_from_disk
 from safetensors.torch import load_file, save_file
 
 from eagle_extract import verify
-from eagle_extract.lock import MAIN
-from eagle_extract.manifest import read_manifest
-from eagle_extract.output import LOG, REPLACEMENT, RUN_FILE
-from eagle_extract.rowfile import LAYER_IDS, hidden_state_path, read_row, row_metadata
-from eagle_extract.store import STORE
+from eagle_extract.data.store import STORE
+from eagle_extract.files.manifest import read_manifest
+from eagle_extract.files.rowfile import LAYER_IDS, hidden_state_path, read_row, row_metadata
+from eagle_extract.job.lock import MAIN
+from eagle_extract.job.output import LOG, REPLACEMENT, RUN_FILE
 
 from .common import assert_documented, load_row, rel_err
 from .conftest import BUDGET, run_cli
@@ -195,7 +195,7 @@ def test_a_hung_engine_is_stopped_after_the_stall_timeout_and_leaves_no_process(
 
 WATCHED = """
 import time
-from eagle_extract.watch import EngineWatch
+from eagle_extract.job.watch import EngineWatch
 watch = EngineWatch(stall_s=2.0)
 watch.expect_engine()
 watch.start()
@@ -219,7 +219,7 @@ def test_engine_steps_count_as_progress_and_their_absence_as_a_stall(tmp_path):
 
 RAY_LEFT = """
 import os, subprocess, sys, time
-from eagle_extract.watch import EngineWatch
+from eagle_extract.job.watch import EngineWatch
 watch = EngineWatch()
 watch.expect_engine()
 titled = "import os, setproctitle, time; setproctitle.setproctitle(os.environ['T']); time.sleep(float(os.environ['S']))"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from datasets import load_from_disk
 
-from eagle_extract.shards import ShardError, owns, parse_shard
+from eagle_extract.files.shards import ShardError, owns, parse_shard
 
 from .common import load_row, rel_err
 from .conftest import BUDGET, STREAM_ARGS, run_cli

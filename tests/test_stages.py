@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_extract.capture import StepCapture
-from eagle_extract.hostmem import ByteBudget
-from eagle_extract.model_nav import find_decoder
-from eagle_extract.rowfile import hidden_state_path
-from eagle_extract.stages import PARTS_DIR, PartJoiner, check_layout, part_root, stage_slots
-from eagle_extract.writer import BackgroundWriter
+from eagle_extract.files.rowfile import hidden_state_path
+from eagle_extract.files.writer import BackgroundWriter
+from eagle_extract.worker.capture import StepCapture
+from eagle_extract.worker.hostmem import ByteBudget
+from eagle_extract.worker.model_nav import find_decoder
+from eagle_extract.worker.stages import PARTS_DIR, PartJoiner, check_layout, part_root, stage_slots
 
 from .common import _ToyLayer
 
@@ -157,7 +157,7 @@ def test_joined_rows_take_the_requested_format(tmp_path):
 def test_a_full_disk_while_joining_is_one_line_and_leaves_no_partial_row(tmp_path, small_disk):
     from safetensors.torch import save_file
 
-    from eagle_extract.rowfile import completed_rows
+    from eagle_extract.files.rowfile import completed_rows
 
     writers = []
     for start, end, slots in ((0, 4, [0, 1]), (4, 8, [2, 3])):
@@ -179,7 +179,7 @@ def test_a_resumed_run_sweeps_the_parts_a_shard_leaves_the_others(tmp_path):
     """Parts left by a run that died between a row's final write and the parts' deletion, or mid-join,
     are removed when the same (unsharded) run resumes; a shard leaves them alone, as other shards' joins
     may be in flight (its own are written again, and completion removes what is left)."""
-    from eagle_extract.output import prepare_output
+    from eagle_extract.job.output import prepare_output
 
     out = tmp_path / "out"
     identity = {"model": "m", "aux_layer_ids": [2]}

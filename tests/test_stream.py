@@ -12,15 +12,15 @@ from collections import Counter
 import pytest
 import torch
 
-from eagle_extract import stream
 from eagle_extract.config import ExtractConfig
-from eagle_extract.data import load_samples
+from eagle_extract.data.formats import read_rows
+from eagle_extract.data.samples import load_samples
+from eagle_extract.data.store import DatasetRows, TokenStore
 from eagle_extract.errors import ExtractError
-from eagle_extract.formats import read_rows
-from eagle_extract.plan import make_plan
-from eagle_extract.shards import owns
-from eagle_extract.store import DatasetRows, TokenStore
-from eagle_extract.writer import write_dataset
+from eagle_extract.files.shards import owns
+from eagle_extract.files.writer import write_dataset
+from eagle_extract.job import stream
+from eagle_extract.job.plan import make_plan
 
 ROWS = 1300  # common.write_stream_rows: three chunks of stream.CHUNK_ROWS, the last one partly filled
 
@@ -194,7 +194,7 @@ def test_a_streamed_run_writes_what_the_in_memory_rows_say(tmp_path, stream_rows
     from datasets import load_from_disk
 
     from eagle_extract import verify
-    from eagle_extract.manifest import read_manifest
+    from eagle_extract.files.manifest import read_manifest
 
     from .common import Reference, load_row, rel_err
 

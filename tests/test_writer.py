@@ -10,9 +10,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from eagle_extract import writer
-from eagle_extract.rowfile import changed_since_written, checksum, hidden_state_path, legacy_tensors, read_row
-from eagle_extract.writer import BackgroundWriter, write_hidden_states
+from eagle_extract.files import writer
+from eagle_extract.files.rowfile import changed_since_written, checksum, hidden_state_path, legacy_tensors, read_row
+from eagle_extract.files.writer import BackgroundWriter, write_hidden_states
 
 
 def test_file_round_trip(tmp_path):
@@ -84,7 +84,7 @@ def test_full_disk_leaves_no_file_and_names_the_fix(tmp_path, monkeypatch, faili
 
 def _rows(states):
     """A row as the capture hands it to the writer."""
-    from eagle_extract.hostmem import ByteBudget, Held, Rows
+    from eagle_extract.worker.hostmem import ByteBudget, Held, Rows
 
     return Rows(Held(ByteBudget(2**20), states.nbytes, states, None), 0, len(states))
 
@@ -124,7 +124,7 @@ def test_host_memory_is_bounded_in_bytes_and_given_back_when_rows_are_written(tm
     and every byte comes back once the writer has written (and dropped) the rows."""
     import threading
 
-    from eagle_extract.hostmem import ByteBudget, Held, Rows
+    from eagle_extract.worker.hostmem import ByteBudget, Held, Rows
 
     budget = ByteBudget(3000)
     gate = threading.Event()

@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import click
 
-from eagle_extract.cli import engine_arg_option
+from eagle_extract.faces.cli import engine_arg_option
 
 
 def first_questions(path: Path, limit: int | None) -> list[list[dict]]:

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import click
 
-from eagle_extract.cli import engine_arg_option
+from eagle_extract.faces.cli import engine_arg_option
 
 SENTINEL = "\x00USER\x00"
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import click
 
-from eagle_extract.manifest import MANIFEST, read_manifest
+from eagle_extract.files.manifest import MANIFEST, read_manifest
 
 
 def complete_manifest(output: Path) -> dict:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 
-from .config import ExtractConfig
-from .errors import ExtractError
-from .worker import EXTENSION_CLASS
+from ..config import ExtractConfig
+from ..errors import ExtractError
+from ..worker.extension import EXTENSION_CLASS
 
 # Engine arguments eagle-extract owns; users may not override them through --engine-arg.
 FIXED_ARGS = {

@@ -13,13 +13,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import completion
-from .checks import find_problems
-from .config import ExtractConfig
-from .errors import ExtractError
-from .lock import holding
-from .manifest import MANIFEST, Manifest
-from .run import run
+from ..config import ExtractConfig
+from ..errors import ExtractError
+from ..files.checks import find_problems
+from ..files.manifest import MANIFEST, Manifest
+from ..job import completion
+from ..job.lock import holding
+from ..job.run import run
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def extract(*, log=print, **options) -> Summary:
     with its defaults.  Rerunning the same call after an interruption resumes it."""
     cfg = ExtractConfig.from_options(**options).resolved()
     if cfg.dp > 1:
-        from .replicas import run_replicas
+        from ..job.replicas import run_replicas
 
         return Summary.of(run_replicas(cfg, log=log), cfg.output)
     return Summary.of(run(cfg, log=log), cfg.output)

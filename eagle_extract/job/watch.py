@@ -9,8 +9,8 @@ import threading
 import time
 from pathlib import Path
 
-from .interrupts import interrupted
-from .runlog import terminal
+from ..interrupts import interrupted
+from ..runlog import terminal
 
 ENGINE_NAMES = ("VLLM", "Worker", "EngineCore")  # vLLM's process titles; Ray's workers: ray::RayWorkerProc/Wrapper
 # Ray's own processes (its agents, idle workers): not watched, since idle workers come and go, but stopped with

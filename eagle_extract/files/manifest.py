@@ -12,9 +12,9 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .atomic import write_record
-from .config import LEGACY
-from .errors import ExtractError
+from ..atomic import write_record
+from ..config import LEGACY
+from ..errors import ExtractError
 
 MANIFEST = "eagle_extract.json"
 OFFLINE = "speculators-offline"

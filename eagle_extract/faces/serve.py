@@ -33,18 +33,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .capture_spec import CaptureSpec, host_bytes_per_rank
-from .config import ExtractConfig, ServeOptions
-from .errors import ExtractError, engine_errors
-from .interrupts import interrupted, note_interrupt
-from .model_nav import refuse_unfound_decoder
+from ..config import ExtractConfig, ServeOptions
+from ..errors import ExtractError, engine_errors
+from ..files.rowfile import hidden_state_path
+from ..interrupts import interrupted, note_interrupt
+from ..job.plan import model_layers
+from ..job.preflight import check_options, check_ranges, check_weights, load_tokenizer
+from ..job.run import drain_workers
+from ..job.watch import EngineWatch
+from ..runlog import RunLog
+from ..worker.capture_spec import CaptureSpec, host_bytes_per_rank
+from ..worker.model_nav import refuse_unfound_decoder
 from .mooncake import MooncakeObjects, StoreUnavailable
-from .plan import model_layers
-from .preflight import check_options, check_ranges, check_weights, load_tokenizer
-from .rowfile import hidden_state_path
-from .run import drain_workers
-from .runlog import RunLog
-from .watch import EngineWatch
 
 SPOOL_SHARE = 0.5  # of the spool filesystem's free space, the default --spool-bytes
 SERVE_LENGTH = 32767  # the longest prompt served without --seq-length, where the model's context is longer
@@ -611,7 +611,7 @@ def _serve(cfg: ExtractConfig, opts: ServeOptions, log, shape, aux_ids, tokenize
             + (f"; Mooncake master {opts.mooncake.master} (objects up to {objects.limit / 2**30:.1f} GiB)" if objects
                else "")
         )  # fmt: skip
-        from .engine import start_engine
+        from ..job.engine import start_engine
 
         watch.expect_engine()
         llm = start_engine(cfg, max_model_len)

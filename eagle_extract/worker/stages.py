@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .rowfile import HIDDEN_DIR, LAYER_IDS, changed_since_written, hidden_state_path, read_row
-from .writer import write_hidden_states, write_legacy
+from ..files.rowfile import HIDDEN_DIR, LAYER_IDS, changed_since_written, hidden_state_path, read_row
+from ..files.writer import write_hidden_states, write_legacy
 
 PARTS_DIR = ".pp_parts"
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from .errors import ExtractError
+from ..errors import ExtractError
 
 # Owners of `.layers` tried in this order before the generic search.
 KNOWN_PATHS = ("model", "language_model.model", "language_model", "model.language_model", "transformer")

@@ -22,8 +22,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .atomic import write_atomically, write_json
-from .data import Sample, Skipped
+from ..atomic import write_atomically, write_json
+from .samples import Sample, Skipped
 
 STORE = ".eagle_extract_tokens"  # a shard's: .eagle_extract_tokens.I-of-N
 COLUMNS = ("input_ids", "loss_mask", "seq_len")

@@ -14,21 +14,22 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from ..config import ExtractConfig
+from ..data.formats import BadRow
+from ..data.samples import read_records
+from ..data.store import TokenStore, store_name
+from ..errors import ExtractError, engine_errors
+from ..files import shards
+from ..files.rowfile import HIDDEN_DIR, completed_rows, header_dtype, header_problem, hidden_state_path
+from ..runlog import RunLog, progress, share_progress
+from ..worker.capture_spec import CaptureSpec, host_bytes_per_rank
+from ..worker.model_nav import refuse_unfound_decoder
+from ..worker.stages import PartJoiner, check_layout
 from . import output as out
-from . import preflight, regenerate, shards, stream
-from .capture_spec import CaptureSpec, host_bytes_per_rank
+from . import preflight, regenerate, stream
 from .completion import complete, complete_shard
-from .config import ExtractConfig
-from .data import read_records
 from .engine import start_engine
-from .errors import ExtractError, engine_errors
-from .formats import BadRow
-from .model_nav import refuse_unfound_decoder
 from .plan import Plan, make_plan
-from .rowfile import HIDDEN_DIR, completed_rows, header_dtype, header_problem, hidden_state_path
-from .runlog import RunLog, progress, share_progress
-from .stages import PartJoiner, check_layout
-from .store import TokenStore, store_name
 from .watch import HEARTBEAT_S, EngineWatch
 
 

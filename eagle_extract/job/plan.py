@@ -12,10 +12,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import preflight, shards
-from .config import ExtractConfig
-from .formats import read_rows
-from .layers import parse_layer_ids
+from ..config import ExtractConfig
+from ..data.formats import read_rows
+from ..files import shards
+from ..layers import parse_layer_ids
+from . import preflight
 from .preflight import ModelShape
 
 

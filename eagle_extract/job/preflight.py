@@ -13,9 +13,9 @@ import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .config import ExtractConfig, option_name
+from ..config import ExtractConfig, option_name
+from ..errors import ExtractError
 from .engine import check_engine_args, on_gpu
-from .errors import ExtractError
 
 
 @dataclass

@@ -9,18 +9,19 @@ import json
 import os
 from pathlib import Path
 
-from . import lock, shards
-from .atomic import fsync, write_atomically, write_record
-from .config import LEGACY, ExtractConfig
-from .errors import ExtractError
-from .layers import CONVENTION, legacy_layer_ids
-from .manifest import MANIFEST, OFFLINE, Manifest
+from ..atomic import fsync, write_atomically, write_record
+from ..config import LEGACY, ExtractConfig
+from ..data.store import DatasetRows, TokenStore, store_name
+from ..errors import ExtractError
+from ..files import shards
+from ..files.manifest import MANIFEST, OFFLINE, Manifest
+from ..files.rowfile import HIDDEN_DIR, completed_rows, hidden_state_path
+from ..files.writer import write_dataset
+from ..layers import CONVENTION, legacy_layer_ids
+from ..version import __version__
+from . import lock
 from .output import RUN_FILE, finish_run, remove_leftovers
 from .plan import Plan, make_plan
-from .rowfile import HIDDEN_DIR, completed_rows, hidden_state_path
-from .store import DatasetRows, TokenStore, store_name
-from .version import __version__
-from .writer import write_dataset
 
 SKIPPED = "skipped_rows.jsonl"
 

@@ -17,14 +17,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from ..config import ExtractConfig
+from ..data.formats import read_rows
+from ..errors import ExtractError
+from ..files.manifest import MANIFEST, read_manifest
+from ..files.shards import SHARDS_DIR
+from ..interrupts import stop_on_signals
+from ..runlog import PROGRESS_FILE, progress, shared_progress
 from .completion import merge
-from .config import ExtractConfig
 from .engine import cpu_thread_binding
-from .errors import ExtractError
-from .formats import read_rows
-from .interrupts import stop_on_signals
 from .lock import REPLICA_ENV
-from .manifest import MANIFEST, read_manifest
 from .output import (
     already_complete,
     claimed,
@@ -39,8 +41,6 @@ from .output import (
 )
 from .plan import make_plan
 from .run import run
-from .runlog import PROGRESS_FILE, progress, shared_progress
-from .shards import SHARDS_DIR
 from .stream import expected_rows, first_chunks, first_counts
 
 
@@ -109,7 +109,7 @@ def _run_replicas(cfg: ExtractConfig, slices: list[dict], total: int, log, lock_
             with open(output / SHARDS_DIR / f"{k}-of-{dp}.log", "w") as logfile:  # the child keeps its own handle
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "eagle_extract.replicas", json.dumps(config)],
+                        [sys.executable, "-m", "eagle_extract.job.replicas", json.dumps(config)],
                         env={**os.environ, **part["env"], "TQDM_DISABLE": "1", REPLICA_ENV: str(os.getpid()),
                              PROGRESS_FILE: str(progress_files[k])},  # fmt: skip
                         stdout=logfile,

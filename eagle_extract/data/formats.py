@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .errors import ExtractError
+from ..errors import ExtractError
 
-FORMATS = ("auto", "messages", "sharegpt", "alpaca", "tokens", "text", "questions")
 SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",

@@ -11,14 +11,15 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from . import lock, shards
-from .atomic import read_record, write_record
-from .config import LEGACY
-from .errors import ExtractError
-from .manifest import MANIFEST, Manifest, read_manifest, write_manifest
-from .rowfile import HIDDEN_DIR, completed_rows, hidden_state_path
-from .stages import PARTS_DIR
-from .store import STORE, store_name
+from ..atomic import read_record, write_record
+from ..config import LEGACY
+from ..data.store import STORE, store_name
+from ..errors import ExtractError
+from ..files import shards
+from ..files.manifest import MANIFEST, Manifest, read_manifest, write_manifest
+from ..files.rowfile import HIDDEN_DIR, completed_rows, hidden_state_path
+from ..worker.stages import PARTS_DIR
+from . import lock
 
 RUN_FILE = ".eagle_extract_run.json"  # identity of an unfinished run, for resuming
 LOG = "eagle_extract.log"  # the run's own log, the engine's output in it (a shard's: eagle_extract.I-of-N.log)

@@ -10,12 +10,12 @@ from typing import get_args
 
 import click
 
+from ..config import ExtractConfig, ServeOptions, StoreSettings, option_name, options_of
+from ..errors import ExtractError
+from ..files.checks import repairable
+from ..files.manifest import MANIFEST
+from ..interrupts import stop_on_signals
 from . import api
-from .checks import repairable
-from .config import ExtractConfig, ServeOptions, StoreSettings, option_name, options_of
-from .errors import ExtractError
-from .interrupts import stop_on_signals
-from .manifest import MANIFEST
 
 
 def parse_engine_args(pairs: tuple[str, ...]) -> dict:

@@ -15,8 +15,8 @@ import os
 import re
 from pathlib import Path
 
-from .atomic import read_record, write_record
-from .errors import ExtractError
+from ..atomic import read_record, write_record
+from ..errors import ExtractError
 
 SHARDS_DIR = "shards"
 ROWS_DIR = ".eagle_extract_rows"  # the shards' row files, each named by its source row until completion

@@ -16,12 +16,12 @@ import os
 import threading
 from collections import deque
 
-from .data import LoadReport, Sample, Skipped, no_usable_rows, sample_from
-from .errors import ExtractError
-from .formats import BadRow, Record, count_rows, read_rows, to_record
+from ..data.formats import BadRow, Record, count_rows, read_rows, to_record
+from ..data.samples import LoadReport, Sample, Skipped, no_usable_rows, sample_from
+from ..data.store import TokenStore
+from ..errors import ExtractError
+from ..files.shards import owns
 from .preflight import check_context
-from .shards import owns
-from .store import TokenStore
 
 CHUNK_ROWS = 512  # source rows per chunk: one worker task, one store chunk
 SMALL_SOURCE = 32 * 2**20  # bytes: a smaller data source is tokenized by the background thread itself

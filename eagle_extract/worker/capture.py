@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .fp8 import to_fp8
+from ..files.fp8 import to_fp8
 from .hostmem import ByteBudget, Held, Rows, pinned_bytes
 from .matching import RequestMatcher, segments
 from .model_nav import DecoderStack

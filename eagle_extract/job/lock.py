@@ -21,7 +21,7 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from .errors import ExtractError
+from ..errors import ExtractError
 
 MAIN = ".eagle_extract.lock"
 REPLICA_ENV = "EAGLE_EXTRACT_REPLICA_OF"  # set by a --dp parent for its replicas, which share its lock
@@ -59,7 +59,7 @@ def _acquire(path: Path, exclusive: bool, output: Path) -> int | None:
             if exc.errno not in _NO_FLOCK:
                 raise
             if str(output) not in _unlocked:
-                from .runlog import terminal
+                from ..runlog import terminal
 
                 print(f"warning: {output}'s filesystem has no file locks; run one job per output", file=terminal())
                 _unlocked.add(str(output))

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .atomic import fsync, write_atomically
+from ..atomic import fsync, write_atomically
 from .fp8 import SCALES, to_fp8
 from .rowfile import HIDDEN_DIR, LEGACY_RECORD, hidden_state_path, legacy_tensors, row_metadata
 

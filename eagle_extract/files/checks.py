@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from .config import LEGACY
+from ..config import LEGACY
+from ..layers import LayerError, legacy_layer_ids, parse_layer_ids
+from ..runlog import counting
 from .fp8 import FP8
-from .layers import LayerError, legacy_layer_ids, parse_layer_ids
 from .manifest import MANIFEST, OFFLINE, Manifest, ManifestError, read_manifest
 from .rowfile import HIDDEN_DIR, check_row, completed_rows, layer_ids_text
-from .runlog import counting
 from .shards import ROWS_DIR, SHARDS_DIR
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float8_e4m3fn": FP8}

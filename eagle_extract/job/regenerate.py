@@ -13,11 +13,11 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .atomic import write_atomically
-from .config import ExtractConfig
-from .errors import ExtractError
-from .formats import Record
-from .runlog import progress
+from ..atomic import write_atomically
+from ..config import ExtractConfig
+from ..data.formats import Record
+from ..errors import ExtractError
+from ..runlog import progress
 
 REGENERATED = "regenerated.jsonl"  # the conversations as the model answered them, beside the output
 JOURNAL = ".eagle_extract_answers.jsonl"  # the answers so far, while the regeneration runs

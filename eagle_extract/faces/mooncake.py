@@ -26,8 +26,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .config import StoreSettings
-from .errors import ExtractError
+from ..config import StoreSettings
+from ..errors import ExtractError
 
 VERSION = 1  # of hs-connectors' transfer manifest
 ALIGN = 64  # each tensor's offset in the object is a multiple of this

@@ -10,14 +10,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..files.writer import BackgroundWriter
 from .capture import StepCapture
 from .capture_spec import CaptureSpec
 from .hostmem import ByteBudget
 from .model_nav import DecoderNotFound, find_decoder
 from .stages import part_root, stage_slots
-from .writer import BackgroundWriter
 
-EXTENSION_CLASS = "eagle_extract.worker.HiddenStateExtension"
+EXTENSION_CLASS = "eagle_extract.worker.extension.HiddenStateExtension"
 
 
 def _tp_rank() -> int:

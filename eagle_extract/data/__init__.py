@@ -1,0 +1,1 @@
+"""The data side: data sources and row formats to records, records to token ids and loss masks, the token store."""

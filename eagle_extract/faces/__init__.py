@@ -1,0 +1,1 @@
+"""The faces: the command line, the Python API, and the HTTP server with its Mooncake transfer."""

@@ -1,0 +1,1 @@
+"""The output files and their contract: row files, the manifest, shard records, the writer, what verify checks."""
