@@ -4,7 +4,7 @@
         [--dtype bfloat16] [--batch-size N] [--engine-arg KEY=VALUE ...] [--cli-arg ARG ...]
 
 Each repetition runs (a) `eagle-extract` on the data file into a fresh OUT (its own process: the user's
-command), then (b) a fresh process that starts vLLM exactly as eagle-extract does (`engine.start_engine`:
+command), then (b) a fresh process that starts vLLM exactly as eagle-extract does (`job/engine.start_engine`:
 eager, no prefix caching, the worker extension loaded but no hooks installed, the same engine arguments
 and model length) and prefills the token ids the CLI wrote (OUT's `input_ids`), `max_tokens=1`, in
 generate calls of --batch-size rows in dataset order, as the CLI makes them.
@@ -69,9 +69,9 @@ def prefill_here(args) -> None:
     from transformers import AutoConfig
     from vllm import SamplingParams, TokensPrompt
 
-    from eagle_extract.cli import parse_engine_args
+    from eagle_extract.faces.cli import parse_engine_args
     from eagle_extract.config import ExtractConfig
-    from eagle_extract.engine import start_engine
+    from eagle_extract.job.engine import start_engine
 
     cfg = ExtractConfig(model=args.model, dtype=args.dtype, batch_size=args.batch_size,
                         engine_args=parse_engine_args(tuple(args.engine_arg))).resolved()  # fmt: skip

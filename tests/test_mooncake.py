@@ -86,7 +86,8 @@ def test_an_object_put_from_a_row_file_is_what_hs_connectors_reads(master, tmp_p
     """No engine: a row file as the capture writes it goes into the store, hs-connectors' own reader unpacks
     it, bf16 and float32; its removal frees the room, and close() leaves no object of ours."""
     from eagle_extract.faces.mooncake import MooncakeObjects, StoreSettings
-    from eagle_extract.files.writer import hidden_state_path, write_hidden_states
+    from eagle_extract.files.rowfile import hidden_state_path
+    from eagle_extract.files.writer import write_hidden_states
 
     objects = MooncakeObjects(StoreSettings(master=master.address, global_segment_gib=SEGMENT_GIB), ttl=60)
     objects.connect()
