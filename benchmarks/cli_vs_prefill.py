@@ -9,9 +9,11 @@ eager, no prefix caching, the worker extension loaded but no hooks installed, th
 and model length) and prefills the token ids the CLI wrote (OUT's `input_ids`), `max_tokens=1`, in
 generate calls of --batch-size rows in dataset order, as the CLI makes them.
 
-a's clock is the manifest's `extract_s`: from the engine being ready to the manifest written, so it
-holds tokenizing (which overlaps the engine), the captures, every file written and fsynced, and
-completion. b's clock is its generate calls. Neither holds the engine's start, which the table gives
+a's clock is the manifest's `extract_s`: from the engine being ready to the last row file written and
+fsynced, so it holds tokenizing (which overlaps the engine) and the captures, but not completion (the
+dataset files and the manifest, written after it), which favours a slightly. b's clock is its generate
+calls. `--cli-arg` goes to a alone: pass nothing there that changes the engine (`--tp`, `--seq-length`,
+`--max-num-batched-tokens`), or the two no longer run alike. Neither holds the engine's start, which the table gives
 apart, with each process's whole wall time. The ratio a/b is the median of per-repetition ratios.
 The disk is in a's clock (pass `--out` on tmpfs to take it out); the files are fsynced, so the page
 cache does not hide it.
@@ -43,7 +45,7 @@ def extract(args, out: Path) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     wall = time.perf_counter() - t
     if proc.returncode:
-        raise SystemExit(f"eagle-extract failed: {proc.stderr.strip().splitlines()[-1:]}")
+        raise SystemExit(f"eagle-extract failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
     manifest = json.loads((out / "eagle_extract.json").read_text())
     timing = manifest["timing"]
     return {"tokens": manifest["num_tokens"], "start_s": timing["engine_start_s"], "work_s": timing["extract_s"],
@@ -52,14 +54,17 @@ def extract(args, out: Path) -> dict:
 
 def prefill(args, out: Path) -> dict:
     """(b) In a fresh process: plain prefill of OUT's token ids (this script with --prefill OUT)."""
+    engine = [x for kv in args.engine_arg for x in ("--engine-arg", kv)]
     cmd = [sys.executable, __file__, "--prefill", str(out), "--model", args.model, "--dtype", args.dtype,
-           "--batch-size", str(args.batch_size), *[x for kv in args.engine_arg for x in ("--engine-arg", kv)]]  # fmt: skip
+           "--batch-size", str(args.batch_size), *engine]  # fmt: skip
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     wall = time.perf_counter() - t
     if proc.returncode:
         raise SystemExit(f"plain prefill failed: {proc.stderr.strip()[-2000:]}")
     said = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]  # vLLM prints to stdout too
+    if not said:
+        raise SystemExit(f"plain prefill printed no figures: {proc.stdout.strip()[-2000:]}")
     return {**json.loads(said[-1][len(RESULT) :]), "wall_s": wall}
 
 
@@ -123,8 +128,8 @@ def main() -> None:
     tokens = runs[0]["a"]["tokens"]
     print(f"\n{tokens:,} tokens; {args.reps} repetitions, a then b in each; median (min-max)")
     print("| run | tokens/s (engine start excluded) | engine start s | whole process s |\n|---|---|---|---|")
-    print(f"| a: eagle-extract, files written and fsynced | {rate('a')} | {col('a', 'start_s')} | {col('a', 'wall_s')} |")
-    print(f"| b: plain prefill of the same token ids | {rate('b')} | {col('b', 'start_s')} | {col('b', 'wall_s')} |")
+    for side, what in (("a", "eagle-extract, files written and fsynced"), ("b", "plain prefill of the same token ids")):
+        print(f"| {side}: {what} | {rate(side)} | {col(side, 'start_s')} | {col(side, 'wall_s')} |")
     ratios = [r["ratio"] for r in runs]
     print(f"\na/b {statistics.median(ratios):.3f} (per repetition: {', '.join(f'{x:.3f}' for x in ratios)})")
     if args.json:

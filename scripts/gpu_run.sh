@@ -30,7 +30,8 @@ for stage in train:speculators ray:ray; do
   fi
 done
 # The folder as a site directory, so its .pth files count (nvidia-cutlass-dsl's puts its packages on the path).
-site_path=$(python3 -c "import site, sys; before = list(sys.path); site.addsitedir('$site'); print(':'.join(p for p in sys.path if p not in before))")
+site_path=$(python3 -c "import site, sys; before = set(sys.path); site.addsitedir(sys.argv[1])
+print(':'.join([sys.argv[1]] + [p for p in sys.path if p not in before and p != sys.argv[1]]))" "$site")
 export PYTHONPATH=$site_path:$PWD PYTHONUNBUFFERED=1
 # Settings the GPU runs needed (docs/install.md): no flashinfer, offline, spawned workers.
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1

@@ -117,3 +117,12 @@ def test_speculators_prepare_data_folder_is_reused_unchanged(tmp_path, tokenizer
     prepare_data(model=str(smollm2), data=[str(src)], output=str(tmp_path / "prepared"), num_preprocessing_workers=1)
     samples, report = load_samples(tmp_path / "prepared", tokenizer, 512)
     assert [(s.input_ids, s.loss_mask) for s in samples] == [(r["input_ids"], r["loss_mask"]) for r in rows]
+
+
+def test_the_cli_offers_every_row_format_the_reader_knows():
+    """config.FORMATS (the --data-format choices) is kept apart from the reader's table, which the base layer
+    may not import: the two must name the same formats."""
+    from eagle_extract.config import FORMATS
+    from eagle_extract.data.formats import _KEYS
+
+    assert FORMATS[0] == "auto" and set(FORMATS[1:]) == set(_KEYS)

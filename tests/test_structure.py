@@ -96,11 +96,16 @@ def test_the_checks_find_an_upward_import_and_a_cycle(tmp_path):
         ("files", "rowfile", "def read():\n    from ..job import run\n"),  # inside a function, up two layers
         ("job", "run", "from ..files.rowfile import read\nfrom . import plan\n"),
         ("job", "plan", "from .run import go\n"),
+        ("data", "store", "def f():\n    from .. import faces\n"),  # a whole higher folder, by name
+        ("faces", "__init__", ""),
     ]:
         (package / folder).mkdir(parents=True, exist_ok=True)
         (package / folder / f"{name}.py").write_text(text)
     graph = _imports(package)
-    assert _upward(graph) == ["eagle_extract.files.rowfile -> eagle_extract.job.run"]
+    assert _upward(graph) == [
+        "eagle_extract.data.store -> eagle_extract.faces",
+        "eagle_extract.files.rowfile -> eagle_extract.job.run",
+    ]
     assert _cycle(graph) == ["eagle_extract.files.rowfile", "eagle_extract.job.run", "eagle_extract.files.rowfile"]
     assert not _upward({"eagle_extract.faces.cli": {"eagle_extract.job.run", "eagle_extract.config"}})
     assert _upward({"eagle_extract.config": {"eagle_extract.data.formats"}})

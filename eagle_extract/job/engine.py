@@ -6,7 +6,9 @@ variables documented for vLLM's CPU and GPU back ends.
 
 from __future__ import annotations
 
+import glob
 import os
+from pathlib import Path
 
 from ..config import ExtractConfig
 from ..errors import ExtractError
@@ -21,8 +23,8 @@ FIXED_ARGS = {
 
 
 def cpu_thread_binding(workers: int, cores: list[int] | None = None) -> str:
-    """Split `cores` (default: this process's) evenly over the CPU workers, as 'a-b|c-d'."""
-    cores = sorted(cores or os.sched_getaffinity(0))
+    """Split `cores` (default: this process's) over the CPU workers, an equal share each, as 'a-b|c-d'."""
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
     per = max(1, len(cores) // workers)
     groups = [cores[i * per : (i + 1) * per] or cores[-1:] for i in range(workers)]
     return "|".join(_cpu_list(g) for g in groups)
@@ -37,6 +39,27 @@ def _cpu_list(cores: list[int]) -> str:
         else:
             runs.append([core])
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def _cpu_ids(text: str) -> set[int]:
+    """'0-3,8' as {0, 1, 2, 3, 8} (the kernel's CPU lists)."""
+    bounds = [part.split("-") for part in text.strip().split(",") if part]
+    return {i for b in bounds for i in range(int(b[0]), int(b[-1]) + 1)}
+
+
+def plain_cpu(cores: list[int]) -> bool:
+    """One NUMA node and no two of `cores` on one physical core: there vLLM's `auto` binding (a physical core
+    per thread, a NUMA node per worker) takes these cores less one it keeps for its scheduler."""
+    if len(glob.glob("/sys/devices/system/node/node[0-9]*")) > 1:
+        return False
+    for core in cores:
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{core}/topology/thread_siblings_list").read_text()
+        except OSError:
+            continue
+        if len(_cpu_ids(siblings) & set(cores)) > 1:
+            return False
+    return True
 
 
 def on_gpu() -> bool:
@@ -61,9 +84,12 @@ def prepare_environment(tp: int, pp: int, dtype: str = "auto") -> None:
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     if not on_gpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        # vLLM's "auto" keeps a core per worker for its scheduler, which needs little: one worker on
-        # 2 cores ran 1.8x faster given both (docs/benchmarks.md)
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp * pp))
+        cores = sorted(os.sched_getaffinity(0))
+        # Several workers: vLLM's "auto" wants a NUMA node each ("Not enough allowed NUMA nodes"). One: "auto"
+        # keeps a core for the scheduler, which needs little; on a plain machine the worker takes them all
+        # (docs/benchmarks.md), while on SMT or several NUMA nodes "auto" places it better.
+        if tp * pp > 1 or plain_cpu(cores):
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp * pp, cores))
 
 
 OWNED_ARGS = {  # engine arguments that eagle-extract's own options set
