@@ -21,8 +21,9 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def failure(proc: subprocess.CompletedProcess) -> str:
-    """The lines naming an error anywhere in the output (an engine's root cause is logged far above its end)."""
-    named = [line for line in proc.stderr.splitlines() if "Error" in line or "error:" in line]
+    """The lines naming an error anywhere in the output: an engine's root cause is logged far above the end,
+    and vLLM logs to stdout."""
+    named = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line or "error:" in line]
     return "\n".join(named[:20]) + "\n...\n" + proc.stderr[-1500:]
 
 

@@ -38,6 +38,7 @@ from types import SimpleNamespace
 import click
 
 from eagle_extract.faces.cli import engine_arg_option
+from eagle_extract.job.engine import prepare_environment
 
 
 def first_questions(path: Path, limit: int | None) -> list[list[dict]]:
@@ -164,6 +165,11 @@ def run_mode(mode: str, opts, chats) -> dict:
 def main(**kw) -> None:
     opts = SimpleNamespace(**kw)
     chats = first_questions(opts.prompts, opts.limit)
+    # the engine settings extraction applies (spawned workers; on the CPU a 2 GiB KV cache, where vLLM's own
+    # default asks for 90 % of the machine's memory and fails beside other processes)
+    engine = opts.engine_args
+    prepare_environment(engine.get("tensor_parallel_size", 1), engine.get("pipeline_parallel_size", 1),
+                        engine.get("dtype", "auto"))  # fmt: skip
     results = [run_mode(mode, opts, chats) for mode in opts.modes.split(",")]
     plain = next((r for r in results if r["mode"] == "plain"), None)
     click.echo(
