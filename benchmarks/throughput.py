@@ -9,8 +9,8 @@ then (b) the same prompts with hooks installed and every file written, once per 
 and writer thread count, and with --builtin (d) vLLM's own extract_hidden_states on a second
 engine beside the first. a, b and d alternate, so drift (thermal, page cache) hits both.
 
-Without --sync, b's clock stops when the files are written: into the page cache, which a long run
-outgrows. With --sync it stops after `os.sync()` has put them on the disk, and every repetition
+The writers fsync every file, as an extraction does, so b's clock always holds the disk's writes of the
+rows. With --sync it also waits for `os.sync()` (the folder's entries and anything else pending), and every repetition
 also measures the disk's own sustained sequential write rate in the same folder (as many files in
 parallel as writer threads, fsynced), so the writer's GB/s is reported as a fraction of the disk's.
 Prints one table: tokens/s (median, min, max), the b/a ratio (median of per-repetition ratios),
