@@ -190,8 +190,8 @@ class ExtractConfig:
     host_memory: float | None = option(  # None: hostmem.default_budget()
         None,
         help="Host memory the captured states may hold at once (step buffers, open prompts, rows waiting for the "
-        "disk); when it is spent the forward pass waits for the writer, and an open prompt that does not fit is "
-        "run again alone.",
+        "disk); when it is spent the forward pass waits for the writer, and the rows of an open prompt that does "
+        "not fit are run again.",
         shown="an eighth of RAM, 2 to 32 GiB",
         metavar="GIB",
         above=0,

@@ -77,6 +77,25 @@ def test_matcher_cuts_a_run_that_holds_one_request_and_another_continuation():
     assert m.merged_runs == 1 and m.pending == []
 
 
+def test_an_ambiguous_run_hands_back_only_the_rows_it_could_have_completed():
+    """Near-identical prompts (the sample data holds conversations one token apart): y is split at 5 and w
+    at 3, then z runs whole.  z's run can also be read as z's chunk followed by y's (or w's) continuation,
+    which gives positions 3-7 other tokens before them: y and z are run again.  w and v, which no reading
+    touches, are still bound from their own states in the same call (the matcher before this test handed
+    back every row of the call: 248 of 500 sample rows redone, each alone)."""
+    m = RequestMatcher()
+    y, z, w, v = [1, 2, 3, 4, 5, 6, 7, 8], [1, 9, 3, 4, 5, 6, 7, 8], [1, 2, 3, 7, 7], [9, 9, 9, 9]
+    for i, ids in enumerate([y, z, w, v]):
+        m.expect(i, ids)
+    assert _bound(m, [("y1", y[:5], 0), ("w1", w[:3], 0)]) == ({}, [])
+    got, unused = _bound(m, [("z", z, 0), ("w2", w[3:], 3), ("v", v, 0)])
+    assert m.ambiguous_runs == 1 and unused == []
+    assert got == {2: ["w1", "w2"], 3: ["v"]}  # w continued its own trusted start: the other reading ends nowhere
+    got, unused = _bound(m, [("y2", y[5:], 5)])  # y's or (under the other reading) z's continuation
+    assert got == {} and unused == [] and m.ambiguous_runs == 2
+    assert sorted(m.take_redo()) == [0, 1] and m.settle({0, 1, 2, 3}) == ([], [])
+
+
 def test_pending_lists_unfinished_rows():
     m = RequestMatcher()
     m.expect(0, [1, 2, 3])

@@ -4,7 +4,7 @@ vLLM's `long_prefill_token_threshold` cuts every running prompt's chunk, so seve
 at once at equal lengths, and vLLM moves requests between batch slots when others finish.  Twins (equal
 length, different early tokens, identical after) then continue each other's partial prompts as far as
 tokens and positions can say.  The matcher before this test gave each twin the other's states after the
-cut (4 of 24 rows, checked against transformers); now those rows are run again alone.
+cut (4 of 24 rows, checked against transformers); now those rows are run again.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ complete before the answer goes out, so the reader's lock wait finds no lock.  T
 
 One engine thread feeds the requests into the engine's running batch as they arrive (continuous
 batching), through the same capture core as extraction (worker extension, hooks, matcher, writer); rows
-the matcher cannot bind for sure are run again alone.  The spool is bounded in bytes: a request waits for room, and files a
+the matcher cannot bind for sure are run again.  The spool is bounded in bytes: a request waits for room, and files a
 trainer never collected are removed after `--spool-ttl` seconds and at shutdown.  With `--transfer mooncake` each
 row's file is put into a Mooncake store instead, and the answer carries the object's manifest (mooncake.py).
 """
@@ -161,6 +161,7 @@ class _Job:
     future: Future
     index: int = -1
     followers: list = field(default_factory=list)  # requests for the same prompt, given links to its file
+    retried: bool = False  # run again once with other rows: next time it runs alone
 
 
 STALL_S = 30.0  # a row the engine finished that has no file after this long (not a slow disk): hold, settle
@@ -172,7 +173,8 @@ class EngineLoop(threading.Thread):
     Identical prompts in flight run once; the others get a hard link to its file (a run serves the first
     row waiting for its tokens, so two in flight could not be told apart).  When the matcher distrusts a
     run, or a finished row has no file after STALL_S, no new request is taken until the engine has run
-    empty; then every row announced is settled, and those left are run again alone, once."""
+    empty; then every row announced is settled, and those left are run again: together, then any left again
+    alone, once."""
 
     def __init__(self, llm, spool: Spool, batch_size: int, watch: EngineWatch, note) -> None:
         super().__init__(daemon=True, name="eagle-serve-engine")
@@ -189,7 +191,7 @@ class EngineLoop(threading.Thread):
         self._leaders: dict[tuple[int, ...], _Job] = {}  # the job running each prompt in flight
         self._running: set[int] = set()  # row numbers the engine has not finished
         self._finished_at: dict[int, float] = {}  # finished by the engine, no file yet
-        self._parked: list[_Job] = []  # to run again alone once the engine is empty
+        self._parked: list[_Job] = []  # to run again once the engine is empty
         self._hold = False  # take no new request until the engine is empty
         self._unsettled = False  # rows announced since the last settle
         self._refused: list[int] = []  # announced, then refused by vLLM: retired at the next drain
@@ -213,12 +215,12 @@ class EngineLoop(threading.Thread):
                     if self._running:
                         self._answer(self._drain(False, finished))
                         continue
-                # the engine is empty: settle every row announced since the last settle, run again alone what
-                # is left; then new requests may come in again
+                # the engine is empty: settle every row announced since the last settle, run again what is
+                # left; then new requests may come in again
                 if self._unsettled or self._parked:
                     self._unsettled, self._refused = False, []
                     self._answer(self._drain(True, None))
-                    self._run_alone(engine)
+                    self._run_again(engine)
                     for index in list(self._inflight):  # every row is settled now: none may wait on
                         self._fail(self._inflight.pop(index), BadRequest("no states were captured", status=500))
                 self._hold = False
@@ -307,16 +309,21 @@ class EngineLoop(threading.Thread):
             self._hold = True
         return got
 
-    def _run_alone(self, engine) -> None:
-        """Each row left after a settle runs again alone: an engine of one prompt cannot confuse it.  A row
-        that fails alone too is failed to its client."""
-        while self._parked:  # taken one at a time: if the engine fails, the rest are failed with it
-            job = self._parked.pop(0)
-            self.redone += 1
-            self._start(engine, [job])
+    def _run_again(self, engine) -> None:
+        """The rows left after a settle run again: first together, --batch-size at a time (most were confused
+        with one near-identical row in a step that split prompts; a small batch runs whole), then each row
+        left again alone, where an engine of one prompt cannot confuse it.  A row that fails alone is failed
+        to its client."""
+        while self._parked:  # the rows not yet taken stay parked: if the engine fails, they are failed with it
+            jobs = [job for job in self._parked if not job.retried][: self.batch_size] or self._parked[:1]
+            for job in jobs:
+                self._parked.remove(job)
+                job.retried = True
+            self.redone += len(jobs)
+            self._start(engine, jobs)
             while self._running:
                 self._step(engine)
-            self._answer(self._drain(True, None), final=True)
+            self._answer(self._drain(True, None), final=len(jobs) == 1)
         self._unsettled = False
         self._finished_at.clear()
 
@@ -324,11 +331,11 @@ class EngineLoop(threading.Thread):
         mean = self.tokens / self.steps if self.steps else 0
         return (f"{self.rows} rows served ({self.tokens:,} tokens) in {self.steps} engine steps ({mean:,.0f} tokens "
                 f"each; {self.step_s:.1f} s in the steps, {self.drain_s:.1f} s waiting for the workers), "
-                f"{self.redone} run again alone")  # fmt: skip
+                f"{self.redone} run again")  # fmt: skip
 
     def _answer(self, got: dict, final: bool = False) -> None:
         """Answer the rows written; rows settled without a file, and rows the matcher handed back, are run
-        again alone at the next settle (`final`: this was that run, so they fail)."""
+        again at the next settle (`final`: this was a row's run alone, so they fail)."""
         for index in (i for rows in got["written_by"] for i in rows):
             job = self._inflight.pop(index, None)
             self._finished_at.pop(index, None)

@@ -386,8 +386,8 @@ def _check_matching(history: list[tuple[int, int]], first: int | None) -> None:
 
 class Capture:
     """The capture installed on the engine's workers for one run: it hands the engine batches, settles the
-    rows the writers report written (for pipeline stages, once their part files are joined) and runs again,
-    each alone, the rows a step may have mixed up.  The engine is an argument of each call, never kept: a
+    rows the writers report written (for pipeline stages, once their part files are joined) and runs again
+    the rows a step may have mixed up.  The engine is an argument of each call, never kept: a
     failed run's frames are cleared so that the engine stops into the run's log, and nothing else may hold it."""
 
     def __init__(self, llm, plan: Plan) -> None:
@@ -418,7 +418,7 @@ class Capture:
         self.params = SamplingParams(max_tokens=1, temperature=0.0)
         self.pending: dict[int, tuple] = {}  # row -> (ids, mask) handed to the engine, until its file is written
         self.handed = self.written = 0
-        self.redo: list[int] = []  # rows to run again alone
+        self.redo: list[int] = []  # rows to run again (finish)
 
     def refuse_other_dtype(self, done: set[int]) -> None:
         """The rows already in the folder and the engine's must be of one dtype."""
@@ -439,21 +439,27 @@ class Capture:
 
     def finish(self, llm, note, watch: EngineWatch) -> dict:
         """Once the last batch ran: wait for the writers, and run the rows an ambiguous step may have mixed up
-        again, each alone, where nothing can be confused; returns the last report."""
+        again: first together, in batches (most were confused with one near-identical row, in a step that
+        split prompts: a small call runs whole), then each row confused again alone, where nothing can be
+        confused; returns the last report."""
         got = self._drain(llm, wait=True)
-        alone = set()
+        together, alone = set(), set()
         while self.redo:
             rows, self.redo = sorted(set(self.redo)), []
             if alone.intersection(rows):
                 raise ExtractError(
                     f"row {min(alone.intersection(rows))} was ambiguous even alone; report this as a bug"
                 )
-            alone.update(rows)
             self._record(got)  # the rows this drain reports written are settled before the loop drains again
-            note(f"running {len(rows)} rows again, one at a time: a step's runs could have been more than one row's")
-            for i in rows:
-                ids, mask = self.pending[i]
-                self._call(llm, [(i, ids, mask)])
+            solo = [i for i in rows if i in together]
+            batched = [i for i in rows if i not in together]
+            together.update(batched)
+            alone.update(solo)
+            note(f"running {len(rows)} rows again ({len(solo)} one at a time): a step's runs could have been "
+                 "more than one row's")  # fmt: skip
+            size = self.cfg.batch_size
+            for batch in [batched[k : k + size] for k in range(0, len(batched), size)] + [[i] for i in solo]:
+                self._call(llm, [(i, *self.pending[i]) for i in batch])
                 watch.beat()
             got = self._drain(llm, wait=True)
         self._record(got, last=True)

@@ -30,7 +30,7 @@ class CaptureStats:
     split_requests: int = 0  # requests whose prompt arrived over more than one step
     merged_runs: int = 0  # runs holding one request's end and another's continuation (RequestMatcher.add)
     ambiguous_runs: int = 0  # runs more than one request could own (RequestMatcher): their rows are redone
-    redo_rows: int = 0  # rows handed back to be run again alone: an ambiguous binding, or no room (below)
+    redo_rows: int = 0  # rows handed back to be run again: an ambiguous binding, or no room (below)
     dropped_partials: int = 0  # open prompts whose states did not fit in --host-memory (RequestMatcher)
     unmatched_tokens: int = 0  # padding or foreign tokens that belong to no expected request
     dropped_steps: int = 0  # steps whose token ids or states never arrived (a hook that did not fire)
@@ -140,7 +140,7 @@ class StepCapture:
         self._pinned_rows = 0  # pinned step buffers are made this many rows long: one size for the allocator
         self._steps: queue.Queue = queue.Queue()
         self._unsettled: list[int] = []  # rows announced since the last settle()
-        self._redo: list[int] = []  # rows to run again alone (RequestMatcher never guesses), until drained
+        self._redo: list[int] = []  # rows to run again (RequestMatcher never guesses), until drained
         self._lost: list[int] = []  # rows the engine ran that no run matched, until drained
         self._thread = threading.Thread(target=self._assemble_loop, daemon=True)
         self._thread.start()
@@ -337,7 +337,7 @@ class StepCapture:
         self.stats.redo_rows += len(rows)
 
     def take_unwritten(self) -> tuple[list[int], list[int]]:
-        """(The rows to run again alone since the last call: an ambiguous run may have given them another
+        """(The rows to run again since the last call: an ambiguous run may have given them another
         row's states, so none of theirs was written; the rows settled unmatched since then.)"""
         with self.lock:
             redo, self._redo = self._redo, []

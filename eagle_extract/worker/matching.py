@@ -27,7 +27,7 @@ class _PartialPrompt:
 
     tokens: list[int]
     chunks: list | None  # [T_i, K, H] views of step buffers, in order; None once no waiting row can use them
-    tainted: bool = False  # an ambiguous run may have been bound to it: what it completes is run again
+    tainted: bool = False  # an ambiguous run may have been bound to it or not: what it completes is run again
     hashed: tuple[int, int] = (0, 0)  # (tokens hashed so far, their rolling hash): RequestMatcher._waiting_prefixes
 
 
@@ -86,10 +86,14 @@ class RequestMatcher:
     The matcher never guesses.  Every reading of a run is enumerated: which open partial prompt it continues
     and, since positions cannot separate one request's chunk ending at e from another's continuation
     starting at e, where it may be cut.  Readings that give every position the same tokens before it are
-    equivalent (causal attention).  When they are not, the bookkeeping can no longer be trusted until the
-    engine call ends (`settle`): every partial prompt open or opened until then is tainted, and the rows it
-    completes, like the rows still waiting at the end, go to `redo`, to be run again where nothing can be
-    confused; none is written from a guess.
+    equivalent (causal attention).  When they are not, every reading is kept: each partial prompt a reading
+    continues stays open as it was (another reading leaves it so), each piece of each reading opens or
+    extends a copy of its own, tainted, and every row any reading completes goes to `redo`, to be run again
+    where nothing can be confused.  What is open is then a superset of what the engine really has open,
+    each with its true tokens and states: a later run has its true reading among those enumerated, so one
+    that the true state could read otherwise is found ambiguous in turn, and the states of a partial prompt
+    bound before stay right.  The rows completed from a tainted copy are run again too.  None is written
+    from a guess, and a run that two near-identical prompts make ambiguous costs those rows, not the call's.
     """
 
     def __init__(self) -> None:
@@ -100,8 +104,8 @@ class RequestMatcher:
         self._lengths: Counter[int] = Counter()  # the waiting rows' prompt lengths
         self._hashes: Counter[int] = Counter()  # and their rolling hashes
         self._open: list[_PartialPrompt] = []
-        self._untrusted = False  # an ambiguous run since the last settle
-        self.redo: list[int] = []  # rows completed from a tainted partial prompt: run them again
+        self._untrusted = False  # an ambiguous run since the last settle: the rows left waiting are run again
+        self.redo: list[int] = []  # rows an ambiguous run, or a tainted partial prompt, completed: run them again
         self.split_requests = 0
         self.merged_runs = 0  # runs that held the chunk of one request and a continuation of another
         self.ambiguous_runs = 0
@@ -175,8 +179,8 @@ class RequestMatcher:
         return list(best.values())
 
     def _read(self, tokens: list[int], start_pos: int):
-        """(one reading of the run, whether another gives some position other tokens before it), or (None,
-        False) when none fits.  A reading is a list of pieces (lo, hi, partial prompt continued or None), each
+        """(one reading of the run, every piece on some reading, whether another reading gives some position
+        other tokens before it), or (None, [], False) when none fits.  A reading is a list of pieces (lo, hi, partial prompt continued or None), each
         leading towards a prompt the engine runs, each after the first continuing an open partial prompt as
         long as the positions before it: vLLM lays a step's requests out by batch slot, so one request's chunk
         ending at position e can be followed by another's continuing at e.  The readings are not enumerated
@@ -210,7 +214,7 @@ class RequestMatcher:
 
         first = next((s for s in starts[0] if piece_ends(0, s)), False)
         if first is False:
-            return None, False
+            return None, [], False
         reading, c, start = [], 0, first
         while True:  # the first reading: the longest piece first, the first partial prompt that goes on
             d = piece_ends(c, start)[0]
@@ -226,9 +230,9 @@ class RequestMatcher:
                     pieces.add((c, d, id(start)))
                     todo += [(d, nxt) for nxt in starts.get(d, ()) if piece_ends(d, nxt)]
         partial = {id(s): s for c in starts for s in starts[c]}
-        others = [(c, d, partial[i]) for c, d, i in pieces if (c, d, partial[i]) not in reading]
-        ambiguous = any(not self._agrees(reading, tokens, c, d, start) for c, d, start in others)
-        return reading, ambiguous
+        every = [(c, d, partial[i]) for c, d, i in sorted(pieces)]
+        ambiguous = any(not self._agrees(reading, tokens, c, d, start) for c, d, start in every)
+        return reading, every, ambiguous
 
     @staticmethod
     def _agrees(reading, tokens: list[int], c: int, d: int, start) -> bool:
@@ -247,20 +251,31 @@ class RequestMatcher:
 
     def add(self, tokens: list[int], start_pos: int, chunk) -> tuple[list[tuple[_Request, list]], bool]:
         """Take one run; returns the rows it completes, each with its chunks, and whether it was used.
-        Rows completed from a tainted partial prompt go to `redo` instead."""
-        reading, ambiguous = self._read(tokens, start_pos)
+        Rows completed from a tainted partial prompt, or by an ambiguous run, go to `redo` instead."""
+        reading, pieces, ambiguous = self._read(tokens, start_pos)
         if reading is None:
             return [], False
         if ambiguous:
             self.ambiguous_runs += 1
             self._untrusted = True
-            for s in self._open:
-                s.tainted = True
+            self._take_every_reading(tokens, pieces)
+            return [], True
         self.merged_runs += len(reading) > 1
         done = []
         for lo, hi, start in reading:
             done += self._take(tokens[lo:hi], start, chunk[lo:hi] if len(reading) > 1 else chunk)
         return done, True
+
+    def _take_every_reading(self, tokens: list[int], pieces: list) -> None:
+        """An ambiguous run: each piece of each reading extends a tainted copy of the partial prompt it
+        continues, or opens one, and the rows it completes are run again; the partial prompts continued stay
+        open as they were.  The copies keep tokens only: a tainted prompt's states are never read."""
+        for lo, hi, start in pieces:
+            copy = _PartialPrompt(list(start.tokens) if start else [], None, tainted=True)
+            if start is not None:
+                copy.hashed = start.hashed
+            self._open.append(copy)
+            self._take(tokens[lo:hi], copy, None)
 
     def _take(self, tokens: list[int], start: _PartialPrompt | None, chunk) -> list:
         """Extend a partial prompt (or open one) by a piece; every waiting row whose prompt it now passes
@@ -268,7 +283,7 @@ class RequestMatcher:
         another prompt's chunk took it past its length is served by that chunk)."""
         before = 0 if start is None else len(start.tokens)
         if start is None:
-            partial = _PartialPrompt(list(tokens), [chunk], self._untrusted)
+            partial = _PartialPrompt(list(tokens), [chunk])
         else:
             partial = start
             partial.tokens += tokens
