@@ -186,6 +186,25 @@ def _vllm_version() -> str:
     return vllm.__version__
 
 
+MEMORY_ARGS = ("gpu_memory_utilization", "kv_cache_memory_bytes", "enable_extensible_kv_cache")
+
+
+def room_for_capture(extra: dict) -> dict:
+    """Engine arguments that leave GPU memory for the capture's step buffers.  A vLLM with the extensible KV
+    cache (the default from 0.34) sizes it from the memory its warm-up measured, then caps torch's
+    allocator there: the buffers the hooks take later do not fit (an out-of-memory error on the H200 at the
+    Llama-3.1-8B shape).  Sized from the profile instead, vLLM keeps its usual headroom (8 %), as every
+    earlier release did.  A user who sizes memory with any of MEMORY_ARGS decides alone."""
+    import dataclasses
+
+    if not on_gpu() or any(k in extra for k in MEMORY_ARGS):
+        return {}
+    from vllm.engine.arg_utils import EngineArgs
+
+    has = {f.name for f in dataclasses.fields(EngineArgs)}
+    return {"enable_extensible_kv_cache": False} if "enable_extensible_kv_cache" in has else {}
+
+
 def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
     """vllm.LLM for `cfg`: the options that are engine arguments, --engine-arg, and FIXED_ARGS."""
     extra = cfg.engine_kwargs()  # checked by preflight.check_options
@@ -197,6 +216,7 @@ def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
     prepare_environment(cfg.tp, cfg.pp, cfg.dtype)
     from vllm import LLM
 
+    extra = {**room_for_capture(extra), **extra}
     try:
         return LLM(
             model=cfg.model,
