@@ -42,10 +42,10 @@ def extract(args, out: Path) -> dict:
            "--batch-size", str(args.batch_size), *(["--data", args.data] if args.data else []),
            *[x for kv in args.engine_arg for x in ("--engine-arg", kv)], *args.cli_arg]  # fmt: skip
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, cwd=REPO)  # its progress lines go on to stderr as they come
     wall = time.perf_counter() - t
     if proc.returncode:
-        raise SystemExit(f"eagle-extract failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+        raise SystemExit(f"eagle-extract failed (exit {proc.returncode}): its last lines are above")
     manifest = json.loads((out / "eagle_extract.json").read_text())
     timing = manifest["timing"]
     return {"tokens": manifest["num_tokens"], "start_s": timing["engine_start_s"], "work_s": timing["extract_s"],
