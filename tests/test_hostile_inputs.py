@@ -137,7 +137,8 @@ def _cases(tmp, model):
         ("a stall timeout below 0", ["--stall-timeout", "-5"]),
         *[
             ("an engine argument that an option sets", ["--engine-arg", arg])
-            for arg in ("dtype=float32", "max_model_len=512", "pipeline_parallel_size=2", "trust_remote_code=true")
+            for arg in ("dtype=float32", "max_model_len=512", "pipeline_parallel_size=2", "trust_remote_code=true",
+                        "data_parallel_size=2")
         ],
         ("an engine argument vLLM does not have", ["--engine-arg", "gpu_memory_fraction=0.5"]),
         *[

@@ -100,6 +100,7 @@ OWNED_ARGS = {  # engine arguments that eagle-extract's own options set
     "max_model_len": "--seq-length (the engine's length is set from the longest sample)",
     "trust_remote_code": "--trust-remote-code",
     "max_num_batched_tokens": "--max-num-batched-tokens",
+    "data_parallel_size": "--dp (eagle-extract's own replicas, an engine and a writer each)",
 }
 
 
