@@ -358,7 +358,8 @@ class EngineLoop(threading.Thread):
     def _done(self, job: _Job, path: Path) -> None:
         """The prompt's file is written: link it for each follower, then answer (the reader deletes it)."""
         self._leaders.pop(tuple(job.ids), None)
-        for follower in job.followers:
+        followers, job.followers = job.followers, []
+        for follower in followers:
             link = hidden_state_path(self.spool.root, next(self._numbers)).resolve()
             try:
                 os.link(path, link)
@@ -369,7 +370,11 @@ class EngineLoop(threading.Thread):
         self._settled(job, path)
 
     def _settled(self, job: _Job, path: Path) -> None:
-        self.spool.written(path, job.nbytes)
+        try:
+            self.spool.written(path, job.nbytes)
+        except OSError as exc:  # removed from the spool before its answer went out: fail it, not the loop
+            self._fail(job, BadRequest(f"the row's file left the spool before it was answered ({exc.strerror})", 500))
+            return
         self.rows += 1
         self.tokens += len(job.ids)
         try:

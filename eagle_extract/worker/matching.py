@@ -32,6 +32,7 @@ class _PartialPrompt:
 
 
 _MOD, _BASE = (1 << 61) - 1, 1_000_003
+MAX_COPIES = 64  # tainted copies one engine call may open (RequestMatcher): past it, the call is distrusted
 
 
 def _rolling(value: int, tokens) -> int:
@@ -94,6 +95,9 @@ class RequestMatcher:
     that the true state could read otherwise is found ambiguous in turn, and the states of a partial prompt
     bound before stay right.  The rows completed from a tainted copy are run again too.  None is written
     from a guess, and a run that two near-identical prompts make ambiguous costs those rows, not the call's.
+    Copies add cuts to every later reading, so an engine call that would open more than MAX_COPIES of them
+    (many near-identical prompts inside a shared prefix) is distrusted instead: every partial prompt open or
+    opened until `settle` is tainted, and every row it completes after that, or leaves waiting, is run again.
     """
 
     def __init__(self) -> None:
@@ -105,6 +109,8 @@ class RequestMatcher:
         self._hashes: Counter[int] = Counter()  # and their rolling hashes
         self._open: list[_PartialPrompt] = []
         self._untrusted = False  # an ambiguous run since the last settle: the rows left waiting are run again
+        self._copies = 0  # tainted copies opened since the last settle
+        self._distrusted = False  # past MAX_COPIES: every partial prompt is tainted until the next settle
         self.redo: list[int] = []  # rows an ambiguous run, or a tainted partial prompt, completed: run them again
         self.split_requests = 0
         self.merged_runs = 0  # runs that held the chunk of one request and a continuation of another
@@ -144,7 +150,8 @@ class RequestMatcher:
             if (key := self._announced.pop(index, None)) is not None:
                 del self._running[bisect.bisect_left(self._running, key)]
         self._open.clear()
-        self._untrusted = False
+        self._untrusted = self._distrusted = False
+        self._copies = 0
         return sorted(lost), sorted(redo)
 
     def retire(self, indices: set[int]) -> None:
@@ -159,8 +166,8 @@ class RequestMatcher:
 
     @property
     def untrusted(self) -> bool:
-        """An ambiguous run since the last settle: until then every row completed from a new partial prompt
-        is run again, so a server stops taking new rows and lets the engine run empty."""
+        """An ambiguous run since the last settle: the rows still waiting at the settle are run again, and
+        the tainted copies stay open until it, so a server stops taking new rows and lets the engine run empty."""
         return self._untrusted
 
     def _starts(self, pos: int) -> list[_PartialPrompt | None]:
@@ -180,10 +187,11 @@ class RequestMatcher:
 
     def _read(self, tokens: list[int], start_pos: int):
         """(one reading of the run, every piece on some reading, whether another reading gives some position
-        other tokens before it), or (None, [], False) when none fits.  A reading is a list of pieces (lo, hi, partial prompt continued or None), each
-        leading towards a prompt the engine runs, each after the first continuing an open partial prompt as
-        long as the positions before it: vLLM lays a step's requests out by batch slot, so one request's chunk
-        ending at position e can be followed by another's continuing at e.  The readings are not enumerated
+        other tokens before it), or (None, [], False) when none fits.  A reading is a list of pieces (lo, hi,
+        partial prompt continued or None), each leading towards a prompt the engine runs, each after the first
+        continuing an open partial prompt as long as the positions before it: vLLM lays a step's requests out
+        by batch slot, so one request's chunk ending at position e can be followed by another's continuing at
+        e.  The readings are not enumerated
         (prompts that are each other's prefixes make exponentially many): the pieces that lie on some reading
         are found by dynamic programming, and each is compared with the first reading.  `piece_ends` closes
         over nothing of its own, so no cell keeps the partial prompts (and their host memory) alive."""
@@ -258,8 +266,13 @@ class RequestMatcher:
         if ambiguous:
             self.ambiguous_runs += 1
             self._untrusted = True
-            self._take_every_reading(tokens, pieces)
-            return [], True
+            if not self._distrusted and self._copies + len(pieces) <= MAX_COPIES:
+                self._copies += len(pieces)
+                self._take_every_reading(tokens, pieces)
+                return [], True
+            self._distrusted = True
+            for s in self._open:
+                s.tainted, s.chunks = True, None
         self.merged_runs += len(reading) > 1
         done = []
         for lo, hi, start in reading:
@@ -283,7 +296,7 @@ class RequestMatcher:
         another prompt's chunk took it past its length is served by that chunk)."""
         before = 0 if start is None else len(start.tokens)
         if start is None:
-            partial = _PartialPrompt(list(tokens), [chunk])
+            partial = _PartialPrompt(list(tokens), [chunk], self._distrusted)
         else:
             partial = start
             partial.tokens += tokens
