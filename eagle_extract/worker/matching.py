@@ -32,7 +32,7 @@ class _PartialPrompt:
 
 
 _MOD, _BASE = (1 << 61) - 1, 1_000_003
-MAX_COPIES = 64  # tainted copies one engine call may open (RequestMatcher): past it, the call is distrusted
+MAX_COPIES = 256  # tainted copies one engine call may open (RequestMatcher): past it, the call is distrusted
 
 
 def _rolling(value: int, tokens) -> int:
