@@ -278,3 +278,23 @@ def test_rows_taken_and_retired_one_by_one_while_others_run_are_never_bound_wron
         redone += len(again)
         ambiguous += matcher.ambiguous_runs
     assert ambiguous > 0 and redone > 0
+
+
+def test_a_call_past_the_copy_cap_binds_nothing_wrong_and_hands_back_every_other_row(monkeypatch):
+    """With MAX_COPIES at 1 most ambiguous calls are distrusted: no run is read after that, and every row
+    not bound before it is handed back, none bound to another row's states, none lost."""
+    import random
+
+    from eagle_extract.worker import matching
+
+    monkeypatch.setattr(matching, "MAX_COPIES", 1)
+    distrusted = 0
+    for case in range(1500):
+        rng = random.Random(50_000 + case)
+        prompts = _prompts(rng)
+        matcher = RequestMatcher()
+        bound, redo = _feed(matcher, prompts, list(range(len(prompts))), rng)
+        assert _wrong(prompts, bound) == [], (case, prompts)
+        assert sorted(list(bound) + redo) == list(range(len(prompts))), (case, prompts, bound, redo)
+        distrusted += matcher.distrusted_calls
+    assert distrusted > 0

@@ -32,7 +32,7 @@ class _PartialPrompt:
 
 
 _MOD, _BASE = (1 << 61) - 1, 1_000_003
-MAX_COPIES = 256  # tainted copies one engine call may open (RequestMatcher): past it, the call is distrusted
+MAX_COPIES = 256  # tainted copies one engine call may keep open (RequestMatcher): past it, the call is distrusted
 
 
 def _rolling(value: int, tokens) -> int:
@@ -95,9 +95,9 @@ class RequestMatcher:
     that the true state could read otherwise is found ambiguous in turn, and the states of a partial prompt
     bound before stay right.  The rows completed from a tainted copy are run again too.  None is written
     from a guess, and a run that two near-identical prompts make ambiguous costs those rows, not the call's.
-    Copies add cuts to every later reading, so an engine call that would open more than MAX_COPIES of them
-    (many near-identical prompts inside a shared prefix) is distrusted instead: every partial prompt open or
-    opened until `settle` is tainted, and every row it completes after that, or leaves waiting, is run again.
+    Copies add cuts to every later reading, so an engine call that keeps more than MAX_COPIES of them open
+    (many near-identical prompts inside a shared prefix) is distrusted instead: every partial prompt is
+    dropped and no run is read until `settle`, so every row still waiting is run again.
     """
 
     def __init__(self) -> None:
@@ -109,13 +109,14 @@ class RequestMatcher:
         self._hashes: Counter[int] = Counter()  # and their rolling hashes
         self._open: list[_PartialPrompt] = []
         self._untrusted = False  # an ambiguous run since the last settle: the rows left waiting are run again
-        self._copies = 0  # tainted copies opened since the last settle
-        self._distrusted = False  # past MAX_COPIES: every partial prompt is tainted until the next settle
+        self._copies = 0  # tainted copies kept open since the last settle
+        self._distrusted = False  # past MAX_COPIES: nothing is read until the next settle
         self.redo: list[int] = []  # rows an ambiguous run, or a tainted partial prompt, completed: run them again
         self.split_requests = 0
         self.merged_runs = 0  # runs that held the chunk of one request and a continuation of another
         self.ambiguous_runs = 0
         self.dropped_partials = 0  # partial prompts whose states did not fit in host memory
+        self.distrusted_calls = 0  # engine calls past MAX_COPIES
 
     def expect(self, index: int, token_ids: list[int]) -> None:
         key = tuple(token_ids)
@@ -259,20 +260,22 @@ class RequestMatcher:
 
     def add(self, tokens: list[int], start_pos: int, chunk) -> tuple[list[tuple[_Request, list]], bool]:
         """Take one run; returns the rows it completes, each with its chunks, and whether it was used.
-        Rows completed from a tainted partial prompt, or by an ambiguous run, go to `redo` instead."""
+        Rows completed from a tainted partial prompt, or by an ambiguous run, go to `redo` instead; in a
+        distrusted call none is completed, and all wait for `settle`, which hands them back."""
+        if self._distrusted:
+            return [], True
         reading, pieces, ambiguous = self._read(tokens, start_pos)
         if reading is None:
             return [], False
         if ambiguous:
             self.ambiguous_runs += 1
             self._untrusted = True
-            if not self._distrusted and self._copies + len(pieces) <= MAX_COPIES:
-                self._copies += len(pieces)
-                self._take_every_reading(tokens, pieces)
-                return [], True
-            self._distrusted = True
-            for s in self._open:
-                s.tainted, s.chunks = True, None
+            self._take_every_reading(tokens, pieces)
+            if self._copies > MAX_COPIES:
+                self._distrusted = True
+                self.distrusted_calls += 1
+                self._open.clear()
+            return [], True
         self.merged_runs += len(reading) > 1
         done = []
         for lo, hi, start in reading:
@@ -289,6 +292,7 @@ class RequestMatcher:
                 copy.hashed = start.hashed
             self._open.append(copy)
             self._take(tokens[lo:hi], copy, None)
+            self._copies += copy in self._open  # closed at once when no running prompt extends it
 
     def _take(self, tokens: list[int], start: _PartialPrompt | None, chunk) -> list:
         """Extend a partial prompt (or open one) by a piece; every waiting row whose prompt it now passes
@@ -296,7 +300,7 @@ class RequestMatcher:
         another prompt's chunk took it past its length is served by that chunk)."""
         before = 0 if start is None else len(start.tokens)
         if start is None:
-            partial = _PartialPrompt(list(tokens), [chunk], self._distrusted)
+            partial = _PartialPrompt(list(tokens), [chunk])
         else:
             partial = start
             partial.tokens += tokens
