@@ -95,8 +95,8 @@ class RequestMatcher:
     that the true state could read otherwise is found ambiguous in turn, and the states of a partial prompt
     bound before stay right.  The rows completed from a tainted copy are run again too.  None is written
     from a guess, and a run that two near-identical prompts make ambiguous costs those rows, not the call's.
-    Copies add cuts to every later reading, so an engine call that keeps more than MAX_COPIES of them open
-    (many near-identical prompts inside a shared prefix) is distrusted instead: every partial prompt is
+    Copies add cuts to every later reading, so an engine call in which more than MAX_COPIES of them stay open
+    when made (many near-identical prompts inside a shared prefix) is distrusted instead: every partial prompt is
     dropped and no run is read until `settle`, so every row still waiting is run again.
     """
 
@@ -109,7 +109,7 @@ class RequestMatcher:
         self._hashes: Counter[int] = Counter()  # and their rolling hashes
         self._open: list[_PartialPrompt] = []
         self._untrusted = False  # an ambiguous run since the last settle: the rows left waiting are run again
-        self._copies = 0  # tainted copies kept open since the last settle
+        self._copies = 0  # tainted copies that stayed open when made (prune may close them later), since settle
         self._distrusted = False  # past MAX_COPIES: nothing is read until the next settle
         self.redo: list[int] = []  # rows an ambiguous run, or a tainted partial prompt, completed: run them again
         self.split_requests = 0
