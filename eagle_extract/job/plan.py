@@ -82,7 +82,8 @@ FREE_ARGS = frozenset(
         "disable_log_stats", "enable_log_requests", "disable_log_requests", "max_logprobs", "download_dir",
         "max_parallel_loading_workers", "safetensors_load_strategy", "enable_sleep_mode", "worker_cls",
         "data_parallel_backend", "pt_load_map_location", "enable_chunked_prefill", "served_model_name",
-        "otlp_traces_endpoint", "collect_detailed_traces", "hf_token", "skip_tokenizer_init", "enable_extensible_kv_cache",
+        "otlp_traces_endpoint", "collect_detailed_traces", "hf_token", "skip_tokenizer_init",
+        "enable_extensible_kv_cache",
     }
 )  # fmt: skip
 TOKENIZER_FILES = re.compile(

@@ -192,9 +192,9 @@ class RequestMatcher:
         partial prompt continued or None), each leading towards a prompt the engine runs, each after the first
         continuing an open partial prompt as long as the positions before it: vLLM lays a step's requests out
         by batch slot, so one request's chunk ending at position e can be followed by another's continuing at
-        e.  The readings are not enumerated
-        (prompts that are each other's prefixes make exponentially many): the pieces that lie on some reading
-        are found by dynamic programming, and each is compared with the first reading.  `piece_ends` closes
+        e.  The readings are not enumerated (prompts that are each other's prefixes make exponentially many):
+        the pieces that lie on some reading are found by dynamic programming, and each one not on the first
+        reading is compared with it.  `piece_ends` closes
         over nothing of its own, so no cell keeps the partial prompts (and their host memory) alive."""
         n, end = len(tokens), start_pos + len(tokens)
         cuts = sorted({k - start_pos for s in self._open if start_pos < (k := len(s.tokens)) < end})
@@ -240,7 +240,8 @@ class RequestMatcher:
                     todo += [(d, nxt) for nxt in starts.get(d, ()) if piece_ends(d, nxt)]
         partial = {id(s): s for c in starts for s in starts[c]}
         every = [(c, d, partial[i]) for c, d, i in sorted(pieces)]
-        ambiguous = any(not self._agrees(reading, tokens, c, d, start) for c, d, start in every)
+        others = [piece for piece in every if piece not in reading]
+        ambiguous = any(not self._agrees(reading, tokens, c, d, start) for c, d, start in others)
         return reading, every, ambiguous
 
     @staticmethod
