@@ -58,10 +58,10 @@ def prefill(args, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--prefill", str(out), "--model", args.model, "--dtype", args.dtype,
            "--batch-size", str(args.batch_size), *engine]  # fmt: skip
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO)  # its stderr (progress) as it comes
     wall = time.perf_counter() - t
     if proc.returncode:
-        raise SystemExit(f"plain prefill failed: {proc.stderr.strip()[-2000:]}")
+        raise SystemExit(f"plain prefill failed (exit {proc.returncode}): its last lines are above")
     said = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]  # vLLM prints to stdout too
     if not said:
         raise SystemExit(f"plain prefill printed no figures: {proc.stdout.strip()[-2000:]}")
@@ -85,10 +85,12 @@ def prefill_here(args) -> None:
     t = time.perf_counter()
     llm = start_engine(cfg, min(cfg.seq_length + 1, context or cfg.seq_length + 1))
     start = time.perf_counter() - t
+    print(f"prefill: engine ready in {start:.0f} s; {len(rows):,} rows", file=sys.stderr, flush=True)
     params = SamplingParams(max_tokens=1, detokenize=False)
     t = time.perf_counter()
     for i in range(0, len(rows), cfg.batch_size):
         llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows[i : i + cfg.batch_size]], params, use_tqdm=False)
+        print(f"prefill: {min(i + cfg.batch_size, len(rows)):,}/{len(rows):,} rows", file=sys.stderr, flush=True)
     work = time.perf_counter() - t
     print(RESULT + json.dumps({"tokens": sum(map(len, rows)), "start_s": start, "work_s": work}), flush=True)
 

@@ -3,6 +3,7 @@
 # the bundled SmolLM2, or the Llama-3.1-8B shape with dummy weights and SmolLM2's
 # tokenizer; spools on tmpfs (/dev/shm) and on the machine's disk (the repository's folder).
 #   LOCK=gpu/requirements-gpu-vllm-0.26.0.lock bash scripts/gpu_run.sh /tmp/pieces bash benchmarks/online_h200.sh smollm2|llama8b OUT [shm|disk|mooncake]
+# CLIENTS=N: client processes (default 12, speculators' data-loader workers of one rank; 8 ranks keep 96 rows in flight).
 # (one spool: a call of 600 s holds one; both without the third argument).  `mooncake`: the file transfer and
 # `serve --transfer mooncake` (a mooncake_master on loopback TCP), both on tmpfs, no offline pass; it needs
 # Mooncake's cp312 wheel in .whl/ too (mooncake_transfer_engine*.whl; it links libibverbs.so.1, which the
@@ -33,5 +34,5 @@ spools=(--spool /dev/shm/spool --spool "$disk")
 [ "$only" = shm ] && spools=(--spool /dev/shm/spool)
 [ "$only" = disk ] && spools=(--spool "$disk")
 [ "$only" = mooncake ] && spools=(--spool /dev/shm/spool --mooncake --no-offline)
-python3 benchmarks/online.py "${args[@]}" --dtype bfloat16 --clients 12 "${spools[@]}" \
-  --json "$out/online-$which-$only.json" 2>&1 | tee "$out/online-$which-$only.log" | grep -v -i warning | tail -20
+python3 benchmarks/online.py "${args[@]}" --dtype bfloat16 --clients "${CLIENTS:-12}" "${spools[@]}" \
+  --json "$out/online-$which-$only-c${CLIENTS:-12}.json" 2>&1 | tee "$out/online-$which-$only-c${CLIENTS:-12}.log" | grep -v -i warning | tail -20
