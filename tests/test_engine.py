@@ -6,7 +6,15 @@ import os
 
 import pytest
 
-from eagle_extract.job.engine import _PER_RUN, cpu_thread_binding, on_gpu, plain_cpu, prepare_environment
+from eagle_extract.job.engine import (
+    _PER_RUN,
+    WHOLE_PROMPT_TOKENS,
+    cpu_thread_binding,
+    on_gpu,
+    plain_cpu,
+    prepare_environment,
+    whole_prompts,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -48,3 +56,14 @@ def test_cpu_binding_names_only_the_cores_given():
     assert cpu_thread_binding(1, [3, 5, 6, 7]) == "3,5-7"  # a gap is not bridged: 4 is not ours
     assert cpu_thread_binding(2, [1, 3, 4, 9]) == "1,3|4,9"
     assert cpu_thread_binding(3, [0, 1]) == "0|1|1"  # more workers than cores share the last
+
+
+def test_prompts_are_prefilled_whole_only_where_the_step_budget_holds_them_and_the_user_did_not_choose():
+    off = {"enable_chunked_prefill": False}
+    assert whole_prompts({}, 2049) == off  # vLLM raises its default budget to the model length if need be
+    assert whole_prompts({"max_num_batched_tokens": 2049}, 2049) == off
+    assert whole_prompts({"max_num_batched_tokens": 128}, 2049) == {}  # vLLM would refuse the pair
+    assert whole_prompts({"enable_chunked_prefill": True}, 2049) == {}  # the user's choice
+    assert whole_prompts({}, WHOLE_PROMPT_TOKENS) == off
+    assert whole_prompts({}, WHOLE_PROMPT_TOKENS + 1) == {}  # steps would outgrow vLLM's own defaults
+    assert whole_prompts({}, None) == {}  # the model's own length: not known here

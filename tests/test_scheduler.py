@@ -66,3 +66,24 @@ def test_twins_mid_prefill_in_swapped_slots_get_their_own_states(tmp_path_factor
     per_token = 3 * 128 * 4  # slots x hidden x float32
     # the documented bound: the budget, one step's rows (64 tokens) and one open prompt alone (160 tokens)
     assert capture["host_peak_bytes"] <= int(limit_gib * 2**30) + (64 + 160) * per_token, capture
+
+
+def test_a_step_budget_that_holds_the_longest_prompt_runs_each_whole_and_nothing_again(tmp_path_factory, tiny_llama):
+    """The same rows under a step budget of the model length (201 tokens; a call's 8 rows hold about 800):
+    eagle-extract starts vLLM with prompts unchunked, so none is split, no run can be read two ways, and the
+    states still equal transformers'.  Chunked, this budget split every step's last prompt."""
+    data = tmp_path_factory.mktemp("whole") / "rows.jsonl"
+    rows = _twin_rows() + _turn_rows()
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = extract(tmp_path_factory, tiny_llama, data, "--data-format", "tokens", "--dtype", "float32", "--layers",
+                  "1,3", "--batch-size", "8", "--seq-length", "200", "--max-num-batched-tokens", "201")  # fmt: skip
+    manifest = json.loads((out / "eagle_extract.json").read_text())
+    capture = manifest["capture"]
+    assert capture["split_requests"] == capture["ambiguous_runs"] == capture["redo_rows"] == 0, capture
+    assert capture["settled_rows"] == len(rows), capture
+    ref = Reference(tiny_llama)
+    worst = max(
+        rel_err(load_row(out, i)["hidden_states"], ref.slots(row["input_ids"], manifest["slot_layer_ids"]))
+        for i, row in enumerate(rows)
+    )
+    assert worst < 1e-4, worst
