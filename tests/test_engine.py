@@ -8,7 +8,7 @@ import pytest
 
 from eagle_extract.job.engine import (
     _PER_RUN,
-    WHOLE_PROMPT_TOKENS,
+    _default_step_budget,
     cpu_thread_binding,
     on_gpu,
     plain_cpu,
@@ -60,10 +60,13 @@ def test_cpu_binding_names_only_the_cores_given():
 
 def test_prompts_are_prefilled_whole_only_where_the_step_budget_holds_them_and_the_user_did_not_choose():
     off = {"enable_chunked_prefill": False}
-    assert whole_prompts({}, 2049) == off  # vLLM raises its default budget to the model length if need be
-    assert whole_prompts({"max_num_batched_tokens": 2049}, 2049) == off
-    assert whole_prompts({"max_num_batched_tokens": 128}, 2049) == {}  # vLLM would refuse the pair
-    assert whole_prompts({"enable_chunked_prefill": True}, 2049) == {}  # the user's choice
-    assert whole_prompts({}, WHOLE_PROMPT_TOKENS) == off
-    assert whole_prompts({}, WHOLE_PROMPT_TOKENS + 1) == {}  # steps would outgrow vLLM's own defaults
-    assert whole_prompts({}, None) == {}  # the model's own length: not known here
+    default = _default_step_budget(1)  # vLLM's own, for this machine: 4,096 on a CPU, 8,192-16,384 on GPUs
+    assert default and default >= 2049
+    assert whole_prompts({}, 2049, 1) == off
+    assert whole_prompts({}, default, 1) == off
+    assert whole_prompts({}, default + 1, 1) == {}  # vLLM would raise its step to the model length: steps grow
+    assert whole_prompts({}, default + 1, 2) == (off if _default_step_budget(2) > default else {})
+    assert whole_prompts({"max_num_batched_tokens": default + 1}, default + 1, 1) == off
+    assert whole_prompts({"max_num_batched_tokens": 128}, 2049, 1) == {}  # vLLM would refuse the pair
+    assert whole_prompts({"enable_chunked_prefill": True}, 2049, 1) == {}  # the user's choice
+    assert whole_prompts({"long_prefill_token_threshold": 16}, 2049, 1) == {}  # chunks prompts on its own

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import math
 import os
 import shutil
 import signal
@@ -119,6 +120,13 @@ class Spool:
         with self._cond:
             self._bytes += size - reserved
             self._files[path] = (size, time.monotonic())
+
+    def hold(self, path: Path) -> None:
+        """`path` is ours now, not the trainer's (going into the Mooncake store, which may make it wait for room
+        past the TTL): it is never swept, and its bytes count until it is gone."""
+        with self._cond:
+            if path in self._files:
+                self._files[path] = (self._files[path][0], math.inf)
 
     def release(self, reserved: int) -> None:
         with self._cond:
@@ -531,10 +539,13 @@ def make_app(
         path = await asyncio.wrap_future(future)
         if objects is None:
             return Path(path).stem, {"hidden_states_path": path}
+        spool.hold(Path(path))
         try:
             manifest = await asyncio.get_running_loop().run_in_executor(objects.pool, objects.put, Path(path), give_up)
         except StoreUnavailable as exc:
             raise BadRequest(str(exc), status=503) from None
+        except OSError as exc:  # the file went before it was stored (removed by hand): this row fails, not the server
+            raise BadRequest(f"the row's file left the spool before it was stored ({exc.strerror})", 500) from None
         return manifest["handle"], manifest
 
     def answer(kind: str, ids: list[int], params: dict) -> dict:

@@ -206,21 +206,26 @@ def room_for_capture(extra: dict) -> dict:
     return {"enable_extensible_kv_cache": False} if "enable_extensible_kv_cache" in has else {}
 
 
-WHOLE_PROMPT_TOKENS = 16384  # vLLM's largest default step (H100/H200/B200): longer prompts keep being chunked
-
-
-def whole_prompts(extra: dict, max_model_len: int | None) -> dict:
+def whole_prompts(extra: dict, max_model_len: int | None, world_size: int) -> dict:
     """Engine arguments that prefill every prompt in one step.  A prompt chunked over steps beside a
-    near-identical one can make a run's owner ambiguous, and the matcher never guesses: those rows run
-    again (63 of the sample data's 500 rows in one CLI run, 12 % of its tokens).  Unchunked, each run is
-    one whole prompt.  vLLM then raises its default step budget to the model length where that is longer,
-    so this stays off above WHOLE_PROMPT_TOKENS, where steps would outgrow vLLM's own defaults, when the
-    user set a step budget shorter than the model length, or when the user set enable_chunked_prefill."""
-    if "enable_chunked_prefill" in extra or not max_model_len or max_model_len > WHOLE_PROMPT_TOKENS:
+    near-identical one can make a run's owner ambiguous, and the matcher never guesses: those rows run again.
+    Only where the step budget (the user's, else vLLM's own default here) holds the longest prompt, so no step
+    grows, and not when the user chose chunking (enable_chunked_prefill, long_prefill_token_threshold)."""
+    if not max_model_len or any(k in extra for k in ("enable_chunked_prefill", "long_prefill_token_threshold")):
         return {}
-    if extra.get("max_num_batched_tokens", max_model_len) < max_model_len:
-        return {}
-    return {"enable_chunked_prefill": False}
+    budget = extra.get("max_num_batched_tokens") or _default_step_budget(world_size)
+    return {"enable_chunked_prefill": False} if budget and budget >= max_model_len else {}
+
+
+def _default_step_budget(world_size: int) -> int | None:
+    """vLLM's default max_num_batched_tokens for `vllm.LLM` on this machine (None where it does not say)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    try:
+        return EngineArgs.get_batch_defaults(world_size)[0].get(UsageContext.LLM_CLASS)
+    except (AttributeError, TypeError):
+        return None
 
 
 def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
@@ -234,7 +239,7 @@ def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
     prepare_environment(cfg.tp, cfg.pp, cfg.dtype)
     from vllm import LLM
 
-    extra = {**room_for_capture(extra), **whole_prompts(extra, max_model_len), **extra}
+    extra = {**room_for_capture(extra), **whole_prompts(extra, max_model_len, cfg.tp * cfg.pp), **extra}
     try:
         return LLM(
             model=cfg.model,
