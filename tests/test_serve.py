@@ -353,3 +353,25 @@ def test_bad_server_options_get_one_line_before_the_engine(smollm2):
             assert proc.returncode == 1 and len(lines) == 1, (case, proc.stdout, proc.stderr)
             assert "starting the engine" not in proc.stdout
             assert_documented("The server", case, lines[0])
+
+
+def test_a_file_going_into_the_mooncake_store_is_never_swept_as_uncollected(tmp_path):
+    """A row waiting for room in the store can wait past --spool-ttl: its file is ours, not an uncollected one."""
+    from eagle_extract.faces.serve import Spool
+    from eagle_extract.files.rowfile import hidden_state_path
+
+    spool = Spool(tmp_path, limit=10_000, ttl=0.05)
+    held, left = hidden_state_path(tmp_path, 0), hidden_state_path(tmp_path, 1)
+    held.parent.mkdir(parents=True)
+    for path in (held, left):
+        spool.reserve(100, threading.Event())  # as a request does, before its row is written
+        path.write_bytes(b"x" * 100)
+        spool.written(path, reserved=100)
+    spool.hold(held)
+    time.sleep(0.1)
+    spool.sweep()
+    assert held.exists() and not left.exists() and spool.expired == 1
+    assert spool.used() == 100  # the held file's bytes count until it is gone
+    held.unlink()
+    spool.sweep()
+    assert spool.used() == 0 and spool.waiting() == 0
