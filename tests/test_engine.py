@@ -70,3 +70,4 @@ def test_prompts_are_prefilled_whole_only_where_the_step_budget_holds_them_and_t
     assert whole_prompts({"max_num_batched_tokens": 128}, 2049, 1) == {}  # vLLM would refuse the pair
     assert whole_prompts({"enable_chunked_prefill": True}, 2049, 1) == {}  # the user's choice
     assert whole_prompts({"long_prefill_token_threshold": 16}, 2049, 1) == {}  # chunks prompts on its own
+    assert whole_prompts({"max_num_scheduled_tokens": 1024}, 2049, 1) == {}  # a longer prompt would never run

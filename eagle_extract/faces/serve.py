@@ -544,8 +544,10 @@ def make_app(
             manifest = await asyncio.get_running_loop().run_in_executor(objects.pool, objects.put, Path(path), give_up)
         except StoreUnavailable as exc:
             raise BadRequest(str(exc), status=503) from None
-        except OSError as exc:  # the file went before it was stored (removed by hand): this row fails, not the server
-            raise BadRequest(f"the row's file left the spool before it was stored ({exc.strerror})", 500) from None
+        except FileNotFoundError:  # removed by hand before it was stored: this row fails, not the server
+            raise BadRequest("the row's file left the spool before it was stored", 500) from None
+        except OSError as exc:
+            raise BadRequest(f"could not store the row: {exc.strerror or exc}", 500) from None
         return manifest["handle"], manifest
 
     def answer(kind: str, ids: list[int], params: dict) -> dict:

@@ -206,12 +206,17 @@ def room_for_capture(extra: dict) -> dict:
     return {"enable_extensible_kv_cache": False} if "enable_extensible_kv_cache" in has else {}
 
 
+# long_prefill_token_threshold splits prompts even unchunked (0.32); an unchunked prompt longer than
+# max_num_scheduled_tokens is never scheduled (0.32, 0.34)
+USER_CHUNKING = ("enable_chunked_prefill", "long_prefill_token_threshold", "max_num_scheduled_tokens")
+
+
 def whole_prompts(extra: dict, max_model_len: int | None, world_size: int) -> dict:
     """Engine arguments that prefill every prompt in one step.  A prompt chunked over steps beside a
     near-identical one can make a run's owner ambiguous, and the matcher never guesses: those rows run again.
     Only where the step budget (the user's, else vLLM's own default here) holds the longest prompt, so no step
-    grows, and not when the user chose chunking (enable_chunked_prefill, long_prefill_token_threshold)."""
-    if not max_model_len or any(k in extra for k in ("enable_chunked_prefill", "long_prefill_token_threshold")):
+    grows, and not when the user chose chunking or a step cap of their own (USER_CHUNKING)."""
+    if not max_model_len or any(k in extra for k in USER_CHUNKING):
         return {}
     budget = extra.get("max_num_batched_tokens") or _default_step_budget(world_size)
     return {"enable_chunked_prefill": False} if budget and budget >= max_model_len else {}
