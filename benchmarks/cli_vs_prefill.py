@@ -61,8 +61,8 @@ def prefill(args, out: Path) -> dict:
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO)  # its stderr (progress) as it comes
     wall = time.perf_counter() - t
     if proc.returncode:
-        said = proc.stdout.strip()[-2000:]  # vLLM's own log lines go to stdout
-        raise SystemExit(f"plain prefill failed (exit {proc.returncode}); its stderr is above, its stdout ends: {said}")
+        tail = proc.stdout.strip()[-2000:]  # vLLM's own log lines go to stdout
+        raise SystemExit(f"plain prefill failed (exit {proc.returncode}); its stderr is above, its stdout ends: {tail}")
     said = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]  # vLLM prints to stdout too
     if not said:
         raise SystemExit(f"plain prefill printed no figures: {proc.stdout.strip()[-2000:]}")
