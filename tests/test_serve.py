@@ -232,6 +232,9 @@ def test_a_dataset_without_states_takes_its_kept_rows_from_disk_and_the_rest_fro
                     "--dtype", "float32", "--layers", "2,15,27").stdout  # fmt: skip
     assert "hidden_states" not in {p.name for p in out.iterdir()} or not any((out / "hidden_states").iterdir())
     assert "starting the engine" not in shown
+    lines = shown.splitlines()  # the closing lines say how to train on it: this server's options, the endpoint
+    assert f"serve the states: eagle-extract serve --model {smollm2} --layers 2,15,27 --dtype float32" in lines[-2]
+    assert lines[-1].endswith("--target-layer-ids 2 15 27 --vllm-endpoint http://127.0.0.1:8000/v1"), lines[-2:]
     rows = [r.tolist() for r in load_from_disk(str(out))["input_ids"]]
     got, answer = s.post("/completions", {"model": s.model, "prompt": rows[0]})  # row 0, as an offline run wrote it
     (out / "hidden_states").mkdir(exist_ok=True)

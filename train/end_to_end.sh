@@ -4,10 +4,13 @@
 #   bash train/end_to_end.sh DATA_DIR WORK [COPIES] [EPOCHS]
 # DATA_DIR holds alpaca_seed_tasks.jsonl, sharegpt_dummy_conversations.json (training prompts)
 # and vicuna_bench_questions.jsonl (held out: never regenerated, extracted or trained on).
-# STAGES (default extract,train,measure) runs some of them, e.g. one per call on a lent GPU; speculators
+# STAGES (default extract,train,measure) runs some of them, e.g. one per call on a lent GPU; `online` trains a
+# second draft on the same rows and epochs with every row's states pulled from `eagle-extract serve` (speculators'
+# online mode; the spool on SPOOL, default /dev/shm), and `measure` then measures both; speculators
 # checkpoints every quarter epoch and by default resumes from its latest one, so rerunning a cut stage goes on.
 # Smaller trial runs: MAX_NEW_TOKENS (answers), MAX_TOKENS (measured decoding), TRAIN_ARGS (e.g. --dry-run).
-# MEASURE_ARGS adds check_draft.py options (e.g. "--temperature 0.7" for sampled decoding).
+# MEASURE_ARGS adds check_draft.py options (e.g. "--temperature 0.7" for sampled decoding); MODES its modes for the
+# first draft measured (default plain,eagle3,ngram; later drafts: eagle3).
 # EXTRACT_ARGS adds eagle-extract options (e.g. "--engine-arg gpu_memory_utilization=0.5" to share the GPU).
 # TEMPERATURE (default 0.7) samples the answers; lower is closer to the greedy decoding measured at the end
 # (0: greedy, then COPIES=1). SYNTH=N adds N distinct prompts the model writes itself (synthesize_prompts.py).
@@ -46,10 +49,41 @@ python3 train/train_draft.py "$work/out" --save-path "$work/draft" --draft-vocab
   --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers 4 --loss-implementation eager --checkpoint-freq 0.25
 fi
 
+if [[ $stages == *online* ]]; then
+step "train online: the same rows, every row's states pulled from eagle-extract serve"
+# The dataset files of out/ (token ids, loss masks, token_freq.pt) without its states, then the server with
+# out/'s layers and dtype, and the same trainer flags and epochs as the offline draft.
+python3 -m eagle_extract --model "$model" --data "$work/out" --output "$work/out-online" --overwrite --states none
+layers=$(python3 -c "import json, sys; print(','.join(map(str, json.load(open(sys.argv[1]))['aux_layer_ids'])))" "$work/out/eagle_extract.json")
+port=${PORT:-8765}
+python3 -m eagle_extract serve --model "$model" --layers "$layers" --seq-length 2048 --dtype bfloat16 --port "$port" \
+  --spool "${SPOOL:-/dev/shm}" --engine-arg gpu_memory_utilization=0.3 > "$work/serve.log" 2>&1 &
+server=$!
+trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null' EXIT
+until grep -q '^serving http' "$work/serve.log"; do
+  kill -0 $server 2>/dev/null || { tail -5 "$work/serve.log"; echo "end_to_end.sh: the server ended before it was ready" >&2; exit 1; }
+  sleep 2
+done
+grep '^serving http' "$work/serve.log"
+start=$(date +%s)
+python3 train/train_draft.py "$work/out-online" --save-path "$work/draft-online" --draft-vocab-size 8192 \
+  --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers 4 --loss-implementation eager --checkpoint-freq 0.25 \
+  --vllm-endpoint "http://127.0.0.1:$port/v1" --hidden-states-backend file
+echo "online training: $(( $(date +%s) - start )) s"
+kill -TERM $server && wait $server
+trap - EXIT
+tail -3 "$work/serve.log"
+fi
+
 if [[ $stages == *measure* ]]; then
 step "measure on held-out prompts"
-draft=$(python3 -c "import sys; sys.path.insert(0, 'train'); from train_draft import servable_draft; print(servable_draft('$work/draft'))")
-python3 train/check_draft.py --verifier "$model" --draft "$draft" \
-  --prompts "$data/vicuna_bench_questions.jsonl" --max-tokens "${MAX_TOKENS:-256}" --batch 8 \
-  --engine-arg gpu_memory_utilization=0.25 --json "$work/check_draft.json" ${MEASURE_ARGS:-}
+modes=${MODES:-plain,eagle3,ngram}
+for draft_dir in draft draft-online; do  # the offline draft, and the online one where that stage ran
+  [ -d "$work/$draft_dir" ] || continue
+  draft=$(python3 -c "import sys; sys.path.insert(0, 'train'); from train_draft import servable_draft; print(servable_draft('$work/$draft_dir'))")
+  python3 train/check_draft.py --verifier "$model" --draft "$draft" \
+    --prompts "$data/vicuna_bench_questions.jsonl" --max-tokens "${MAX_TOKENS:-256}" --batch 8 \
+    --engine-arg gpu_memory_utilization=0.25 --modes "$modes" --json "$work/check_${draft_dir/-/_}.json" ${MEASURE_ARGS:-}
+  modes=eagle3  # plain and n-gram decoding do not depend on the draft
+done
 fi

@@ -154,10 +154,15 @@ def _summarise(summary: api.Summary) -> None:
             f"finish, or by `eagle-extract merge {output}`"
         )
         return
+    stateless = (summary.manifest or {}).get("states") == "none"
+    written = (
+        "the dataset files only (--states none)"
+        if stateless
+        else f"{summary.bytes_written / 2**20:.1f} MiB in {summary.extract_s:.1f} s "
+        f"({summary.tokens_per_s:,.0f} tokens/s; engine start {summary.engine_start_s:.1f} s)"
+    )
     click.echo(
-        f"done: {summary.rows} samples, {summary.tokens} tokens, "
-        f"{summary.bytes_written / 2**20:.1f} MiB in {summary.extract_s:.1f} s "
-        f"({summary.tokens_per_s:,.0f} tokens/s; engine start {summary.engine_start_s:.1f} s); "
+        f"done: {summary.rows} samples, {summary.tokens} tokens, {written}; "
         f"truncated {summary.truncated}, skipped {summary.skipped} "
         f"({summary.skipped_long} over --seq-length)"
         + (f"; resumed: {summary.resumed_rows} rows kept" if summary.resumed_rows else "")
@@ -170,10 +175,21 @@ def _summarise(summary: api.Summary) -> None:
         click.echo(f"legacy layer ids (outputs of layers): {summary.legacy_layer_ids}")
         return
     ids = " ".join(map(str, summary.aux_layer_ids))  # speculators takes a space-separated list
+    model = shlex.quote(str(summary.model))
+    online = ""
+    if stateless:  # every row's states come from the server, which must capture the layers trained on
+        m = summary.manifest
+        fp8 = m.get("storage_dtype") == "float8_e4m3fn"
+        click.echo(
+            f"serve the states: eagle-extract serve --model {model} --layers {','.join(map(str, summary.aux_layer_ids))} "
+            f"--dtype {m['dtype']} --seq-length {m['seq_length']}"
+            + (" --storage-dtype fp8" if fp8 else "")
+            + (" --trust-remote-code" if (m.get("config") or {}).get("trust_remote_code") else "")
+        )
+        online = " --vllm-endpoint http://127.0.0.1:8000/v1" + (" --hidden-states-backend fp8" if fp8 else "")
     click.echo(
-        f"train on it: speculators train --verifier-name-or-path {shlex.quote(str(summary.model))} "
-        f"--data-path {shlex.quote(str(output))} "
-        f"--speculator-type eagle3 --target-layer-ids {ids}"
+        f"train on it: speculators train --verifier-name-or-path {model} --data-path {shlex.quote(str(output))} "
+        f"--speculator-type eagle3 --target-layer-ids {ids}{online}"
     )
 
 

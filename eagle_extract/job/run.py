@@ -231,6 +231,8 @@ def _outlook(plan: Plan, sized: tuple, mine: int, processes: int, todo: Todo) ->
     kept = len(todo.done) if plan.shard is None else todo.kept
     resumed = f"; resuming, {kept} rows already written" if todo.done else ""
     resumed += f" ({len(todo.damaged)} damaged files are written again)" if todo.damaged else ""
+    if plan.cfg.states == "none":
+        return f"about {expected} samples{part}: the dataset files only (--states none), no engine{resumed}"
     return (
         f"about {expected} samples{part}, tokenized as the engine runs ({processes or 'no'} worker processes); "
         f"slots for layers {plan.slot_ids}; about {expected_bytes / 2**20:.1f} MiB of hidden states to write "
