@@ -173,6 +173,7 @@ class _Job:
 
 
 STALL_S = 30.0  # a row the engine finished that has no file after this long (not a slow disk): hold, settle
+POLL_S = 0.005  # with the engine empty and rows waiting for their files: how long to wait for a request between looks
 
 
 class EngineLoop(threading.Thread):
@@ -182,7 +183,8 @@ class EngineLoop(threading.Thread):
     row waiting for its tokens, so two in flight could not be told apart).  When the matcher distrusts a
     run, or a finished row has no file after STALL_S, no new request is taken until the engine has run
     empty; then every row announced is settled, and those left are run again: together, then any left again
-    alone, once."""
+    alone, once.  An engine that runs empty otherwise settles its rows without waiting for their files, and
+    new requests keep coming in while those are written."""
 
     def __init__(self, llm, spool: Spool, batch_size: int, watch: EngineWatch, note) -> None:
         super().__init__(daemon=True, name="eagle-serve-engine")
@@ -223,8 +225,17 @@ class EngineLoop(threading.Thread):
                     if self._running:
                         self._answer(self._drain(False, finished))
                         continue
-                # the engine is empty: settle every row announced since the last settle, run again what is
-                # left; then new requests may come in again
+                if self._inflight and not self._hold and not self._parked:
+                    # the engine is empty, its rows wait only for their files: settle them without waiting
+                    # for the disk (their files and any row lost come in at later looks) and let new
+                    # requests in meanwhile, rather than idle the engine until the last file is written
+                    settle, self._unsettled, self._refused = self._unsettled, False, []  # a settle covers refusals
+                    self._answer(self._drain(False, None if settle else []))
+                    self._hold = self._hold or self._stalled()
+                    continue
+                # the engine is empty and a row is distrusted, parked or stalled (or nothing is in flight):
+                # settle every row announced since the last settle, waiting for the disk, and run again what
+                # is left; then new requests may come in again
                 if self._unsettled or self._parked:
                     self._unsettled, self._refused = False, []
                     self._answer(self._drain(True, None))
@@ -256,10 +267,10 @@ class EngineLoop(threading.Thread):
         import queue
 
         jobs = []
-        idle = not self._running and not self._inflight
+        wait = 0.0 if self._running else (POLL_S if self._inflight else 0.2)  # nothing else to do meanwhile
         while len(self._running) + len(jobs) < self.batch_size:
             try:
-                jobs.append(self.jobs.get(timeout=0.2) if idle and not jobs else self.jobs.get_nowait())
+                jobs.append(self.jobs.get(timeout=wait) if wait and not jobs else self.jobs.get_nowait())
             except queue.Empty:
                 break
         fresh = []
@@ -305,9 +316,12 @@ class EngineLoop(threading.Thread):
         self._running.difference_update(finished)
         now = time.monotonic()
         self._finished_at.update((i, now) for i in finished if i in self._inflight)
-        if any(now - at > STALL_S for at in self._finished_at.values()):
-            self._hold = True  # a finished row without a file: settle once the engine is empty
+        self._hold = self._hold or self._stalled()  # a finished row without a file: settle once the engine is empty
         return finished
+
+    def _stalled(self) -> bool:
+        now = time.monotonic()
+        return any(now - at > STALL_S for at in self._finished_at.values())
 
     def _drain(self, wait: bool, finished: list[int] | None) -> dict:
         t0 = time.perf_counter()
@@ -584,7 +598,7 @@ def make_app(
         if loop.failed:
             return JSONResponse({"status": "failed", "error": loop.failed}, status_code=503)
         stored = {"store_bytes": objects.used()} if objects else {}
-        return {"status": "ok", "spool_bytes": spool.used(), "rows": loop.rows, **stored}
+        return {"status": "ok", "spool_bytes": spool.used(), "rows": loop.rows, "run_again": loop.redone, **stored}
 
     return app
 
