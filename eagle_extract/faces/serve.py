@@ -15,6 +15,7 @@ row's file is put into a Mooncake store instead, and the answer carries the obje
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import math
@@ -394,7 +395,9 @@ class EngineLoop(threading.Thread):
     def _settled(self, job: _Job, path: Path) -> None:
         try:
             self.spool.written(path, job.nbytes)
-        except OSError as exc:  # removed from the spool before its answer went out: fail it, not the loop
+        except OSError as exc:  # removed from the spool before its answer went out (or unreadable): fail it, not
+            with contextlib.suppress(OSError):  # the loop, and leave no file the spool does not count
+                path.unlink(missing_ok=True)
             self._fail(job, BadRequest(f"the row's file left the spool before it was answered ({exc.strerror})", 500))
             return
         self.rows += 1
