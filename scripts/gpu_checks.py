@@ -763,9 +763,11 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-work"))
     ap.add_argument("--out", type=Path, default=Path("gpu-results"))
     ap.add_argument("--parts", default="copies,smollm2,moe")
-    ap.add_argument("--kimi-layers", type=int, default=12, help="decoder layers of kimi-int4 (at least 8: its aux "
+    ap.add_argument("--kimi-layers", type=int, default=12, help="decoder layers of kimi-int4 (at least 7: its aux "
                     "layers are 2, N/2, N-3); vLLM 0.34 ran out of memory at 12 on one H200")  # fmt: skip
     args = ap.parse_args()
+    if not 2 < args.kimi_layers // 2 < args.kimi_layers - 3:
+        ap.error(f"--kimi-layers {args.kimi_layers}: give at least 7, so that layers 2, N/2 and N-3 differ")
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     data = write_mixed_conversations(args.work / "mixed.jsonl")

@@ -53,15 +53,20 @@ if [[ $stages == *online* ]]; then
 step "train online: the same rows, every row's states pulled from eagle-extract serve"
 # The dataset files of out/ (token ids, loss masks, token_freq.pt) without its states, then the server with
 # out/'s layers and dtype, and the same trainer flags and epochs as the offline draft.
-python3 -m eagle_extract --model "$model" --data "$work/out" --output "$work/out-online" --overwrite --states none
-layers=$(python3 -c "import json, sys; print(','.join(map(str, json.load(open(sys.argv[1]))['aux_layer_ids'])))" "$work/out/eagle_extract.json")
+read -r layers seq dtype < <(python3 -c "import json, sys; m = json.load(open(sys.argv[1]))
+print(','.join(map(str, m['aux_layer_ids'])), m['seq_length'], m['dtype'])" "$work/out/eagle_extract.json")
+python3 -m eagle_extract --model "$model" --data "$work/out" --output "$work/out-online" --overwrite --states none \
+  --layers "$layers" --seq-length "${seq:?out/ has no manifest}" --dtype "$dtype"
 port=${PORT:-8765}
-python3 -m eagle_extract serve --model "$model" --layers "$layers" --seq-length 2048 --dtype bfloat16 --port "$port" \
+python3 -m eagle_extract serve --model "$model" --layers "$layers" --seq-length "$seq" --dtype "$dtype" --port "$port" \
   --spool "${SPOOL:-/dev/shm}" --engine-arg gpu_memory_utilization=0.3 > "$work/serve.log" 2>&1 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null' EXIT
-until grep -q '^serving http' "$work/serve.log"; do
-  kill -0 $server 2>/dev/null || { tail -5 "$work/serve.log"; echo "end_to_end.sh: the server ended before it was ready" >&2; exit 1; }
+for (( waited = 0; ; waited += 2 )); do
+  grep -q '^serving http' "$work/serve.log" && break
+  if ! kill -0 $server 2>/dev/null || (( waited > 600 )); then
+    tail -5 "$work/serve.log"; echo "end_to_end.sh: the server was not ready (its log: $work/serve.log)" >&2; exit 1
+  fi
   sleep 2
 done
 grep '^serving http' "$work/serve.log"
@@ -70,8 +75,9 @@ python3 train/train_draft.py "$work/out-online" --save-path "$work/draft-online"
   --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers 4 --loss-implementation eager --checkpoint-freq 0.25 \
   --vllm-endpoint "http://127.0.0.1:$port/v1" --hidden-states-backend file
 echo "online training: $(( $(date +%s) - start )) s"
-kill -TERM $server && wait $server
 trap - EXIT
+kill -TERM $server 2>/dev/null || true
+wait $server || { tail -5 "$work/serve.log"; echo "end_to_end.sh: the server ended with an error" >&2; exit 1; }
 tail -3 "$work/serve.log"
 fi
 

@@ -144,6 +144,35 @@ def _run_or_fail(fn, *args, interrupted="interrupted; every completed row is kep
         raise click.ClickException(interrupted) from None
 
 
+def serve_args(manifest: dict) -> list[str]:
+    """`eagle-extract serve` capturing the states an output of `manifest` would hold: its model, layers, dtypes,
+    length, decoder, GPUs and engine arguments (serve has no --pp: a pipeline's GPUs serve as TP)."""
+    config = manifest.get("config") or {}
+    cmd = ["eagle-extract", "serve", "--model", str(manifest["model"]),
+           "--layers", ",".join(map(str, manifest["aux_layer_ids"])), "--dtype", manifest["dtype"],
+           "--seq-length", str(manifest["seq_length"])]  # fmt: skip
+    if manifest.get("storage_dtype") == "float8_e4m3fn":
+        cmd += ["--storage-dtype", "fp8"]
+    if (gpus := config.get("tp", 1) * config.get("pp", 1)) > 1:
+        cmd += ["--tp", str(gpus)]
+    if config.get("decoder_path"):
+        cmd += ["--decoder-path", str(config["decoder_path"])]
+    if config.get("trust_remote_code"):
+        cmd.append("--trust-remote-code")
+    for key, value in (config.get("engine_args") or {}).items():  # as parse_engine_args reads them back
+        text = value if isinstance(value, str) and not _json_text(value) else json.dumps(value)
+        cmd += ["--engine-arg", f"{key}={text}"]
+    return cmd
+
+
+def _json_text(value: str) -> bool:
+    try:
+        json.loads(value)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 def _summarise(summary: api.Summary) -> None:
     output = summary.output
     if not summary.complete:  # one shard of several
@@ -177,16 +206,11 @@ def _summarise(summary: api.Summary) -> None:
     ids = " ".join(map(str, summary.aux_layer_ids))  # speculators takes a space-separated list
     model = shlex.quote(str(summary.model))
     online = ""
-    if stateless:  # every row's states come from the server, which must capture the layers trained on
-        m = summary.manifest
-        fp8 = m.get("storage_dtype") == "float8_e4m3fn"
-        click.echo(
-            f"serve the states: eagle-extract serve --model {model} --layers {','.join(map(str, summary.aux_layer_ids))} "
-            f"--dtype {m['dtype']} --seq-length {m['seq_length']}"
-            + (" --storage-dtype fp8" if fp8 else "")
-            + (" --trust-remote-code" if (m.get("config") or {}).get("trust_remote_code") else "")
-        )
-        online = " --vllm-endpoint http://127.0.0.1:8000/v1" + (" --hidden-states-backend fp8" if fp8 else "")
+    if stateless:  # every row's states come from the server, which must capture them as this output would
+        fp8 = summary.manifest.get("storage_dtype") == "float8_e4m3fn"
+        click.echo(f"serve the states: {shlex.join(serve_args(summary.manifest))}")
+        port = ServeOptions.__dataclass_fields__["port"].default
+        online = f" --vllm-endpoint http://127.0.0.1:{port}/v1" + (" --hidden-states-backend fp8" if fp8 else "")
     click.echo(
         f"train on it: speculators train --verifier-name-or-path {model} --data-path {shlex.quote(str(output))} "
         f"--speculator-type eagle3 --target-layer-ids {ids}{online}"

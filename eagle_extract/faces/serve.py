@@ -174,7 +174,7 @@ class _Job:
 
 
 STALL_S = 30.0  # a row the engine finished that has no file after this long (not a slow disk): hold, settle
-POLL_S = 0.005  # with the engine empty and rows waiting for their files: how long to wait for a request between looks
+PATIENCE_S = 0.005  # with the engine empty and rows waiting for their files: a look waits this long for one
 
 
 class EngineLoop(threading.Thread):
@@ -184,8 +184,8 @@ class EngineLoop(threading.Thread):
     row waiting for its tokens, so two in flight could not be told apart).  When the matcher distrusts a
     run, or a finished row has no file after STALL_S, no new request is taken until the engine has run
     empty; then every row announced is settled, and those left are run again: together, then any left again
-    alone, once.  An engine that runs empty otherwise settles its rows without waiting for their files, and
-    new requests keep coming in while those are written."""
+    alone, once.  An engine that runs empty otherwise settles its rows without waiting for the disk: each
+    file is answered as it is written, and new requests come in meanwhile."""
 
     def __init__(self, llm, spool: Spool, batch_size: int, watch: EngineWatch, note) -> None:
         super().__init__(daemon=True, name="eagle-serve-engine")
@@ -198,6 +198,7 @@ class EngineLoop(threading.Thread):
         self._numbers = itertools.count()
         self.rows = self.tokens = self.redone = 0
         self.steps, self.step_s, self.drain_s = 0, 0.0, 0.0  # engine steps, and seconds in them and in drains
+        self.idle_s = 0.0  # of drain_s: with the engine empty, its rows' files being written
         self._inflight: dict[int, _Job] = {}  # by row number: announced, not yet answered
         self._leaders: dict[tuple[int, ...], _Job] = {}  # the job running each prompt in flight
         self._running: set[int] = set()  # row numbers the engine has not finished
@@ -228,16 +229,18 @@ class EngineLoop(threading.Thread):
                         continue
                 if self._inflight and not self._hold and not self._parked:
                     # the engine is empty, its rows wait only for their files: settle them without waiting
-                    # for the disk (their files and any row lost come in at later looks) and let new
-                    # requests in meanwhile, rather than idle the engine until the last file is written
+                    # for the disk (their files, and any row lost, come in at later looks), answer each file
+                    # as it is written, and let new requests in between looks
                     settle, self._unsettled, self._refused = self._unsettled, False, []  # a settle covers refusals
-                    self._answer(self._drain(False, None if settle else []))
+                    t0 = time.perf_counter()
+                    self._answer(self._drain(False, None if settle else [], PATIENCE_S))
+                    self.idle_s += time.perf_counter() - t0
                     self._hold = self._hold or self._stalled()
                     continue
                 # the engine is empty and a row is distrusted, parked or stalled (or nothing is in flight):
-                # settle every row announced since the last settle, waiting for the disk, and run again what
-                # is left; then new requests may come in again
-                if self._unsettled or self._parked:
+                # settle every row announced, waiting for the disk, run again what is left and fail what
+                # still has no states; then new requests may come in again
+                if self._unsettled or self._parked or self._inflight:
                     self._unsettled, self._refused = False, []
                     self._answer(self._drain(True, None))
                     self._run_again(engine)
@@ -268,10 +271,10 @@ class EngineLoop(threading.Thread):
         import queue
 
         jobs = []
-        wait = 0.0 if self._running else (POLL_S if self._inflight else 0.2)  # nothing else to do meanwhile
+        idle = not self._running and not self._inflight
         while len(self._running) + len(jobs) < self.batch_size:
             try:
-                jobs.append(self.jobs.get(timeout=wait) if wait and not jobs else self.jobs.get_nowait())
+                jobs.append(self.jobs.get(timeout=0.2) if idle and not jobs else self.jobs.get_nowait())
             except queue.Empty:
                 break
         fresh = []
@@ -324,9 +327,9 @@ class EngineLoop(threading.Thread):
         now = time.monotonic()
         return any(now - at > STALL_S for at in self._finished_at.values())
 
-    def _drain(self, wait: bool, finished: list[int] | None) -> dict:
+    def _drain(self, wait: bool, finished: list[int] | None, patience: float = 0.0) -> dict:
         t0 = time.perf_counter()
-        got = drain_workers(self.llm, wait, finished)
+        got = drain_workers(self.llm, wait, finished, patience)
         self.drain_s += time.perf_counter() - t0
         if got["untrusted"]:
             self._hold = True
@@ -353,7 +356,8 @@ class EngineLoop(threading.Thread):
     def summary(self) -> str:
         mean = self.tokens / self.steps if self.steps else 0
         return (f"{self.rows} rows served ({self.tokens:,} tokens) in {self.steps} engine steps ({mean:,.0f} tokens "
-                f"each; {self.step_s:.1f} s in the steps, {self.drain_s:.1f} s waiting for the workers), "
+                f"each; {self.step_s:.1f} s in the steps, {self.drain_s:.1f} s waiting for the workers, "
+                f"{self.idle_s:.1f} s of it with the engine empty while files were written), "
                 f"{self.redone} run again")  # fmt: skip
 
     def _answer(self, got: dict, final: bool = False) -> None:

@@ -105,7 +105,7 @@ class BackgroundWriter:
         self.loss_masks: dict[int, list[int]] = {}  # legacy files carry the mask; filled by the driver
         (self.output / HIDDEN_DIR).mkdir(parents=True, exist_ok=True)
         self._queue: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # guards the fields below; notified as each row is written or fails
         self.written: list[int] = []
         self.errors: list[str] = []
         count = threads or default_writer_threads()
@@ -154,15 +154,20 @@ class BackgroundWriter:
                 said = f"row {index}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}"
             with self._lock:
                 self.errors.append(said)
+                self._lock.notify_all()
             return
         with self._lock:
             self.written.append(index)
+            self._lock.notify_all()
 
-    def drain(self, wait: bool = True) -> dict:
-        """Report and reset what was written since the last drain; `wait` first lets the queue empty."""
+    def drain(self, wait: bool = True, patience: float = 0.0) -> dict:
+        """Report and reset what was written since the last drain; `wait` first lets the queue empty, else
+        `patience` waits up to that long for a row to be written when none was since the last drain."""
         if wait:
             self._queue.join()
         with self._lock:
+            if not wait and not self.written and not self.errors:
+                self._lock.wait(patience)
             report = {"written": self.written, "errors": list(self.errors)}
             self.written = []
         return report

@@ -232,7 +232,7 @@ def _outlook(plan: Plan, sized: tuple, mine: int, processes: int, todo: Todo) ->
     resumed = f"; resuming, {kept} rows already written" if todo.done else ""
     resumed += f" ({len(todo.damaged)} damaged files are written again)" if todo.damaged else ""
     if plan.cfg.states == "none":
-        return f"about {expected} samples{part}: the dataset files only (--states none), no engine{resumed}"
+        return f"about {expected} samples{part}: the dataset files only (--states none), no hidden states{resumed}"
     return (
         f"about {expected} samples{part}, tokenized as the engine runs ({processes or 'no'} worker processes); "
         f"slots for layers {plan.slot_ids}; about {expected_bytes / 2**20:.1f} MiB of hidden states to write "
@@ -341,10 +341,11 @@ def _watched(llm, watch: EngineWatch, t0: float) -> float:
     return time.perf_counter() - t0
 
 
-def drain_workers(llm, wait: bool, finished: list[int] | None = None) -> dict:
+def drain_workers(llm, wait: bool, finished: list[int] | None = None, patience: float = 0.0) -> dict:
     """Collect the writing workers' reports; `written_by` lists each writer's new rows, in rank order.
-    `finished`: only these rows have run to their end (worker.eagle_drain), not every row announced."""
-    reports = [r for r in llm.collective_rpc("eagle_drain", args=(wait, finished)) if r is not None]
+    `finished`: only these rows have run to their end (worker.eagle_drain), not every row announced;
+    `patience`: without `wait`, how long a writer waits for a first row written."""
+    reports = [r for r in llm.collective_rpc("eagle_drain", args=(wait, finished, patience)) if r is not None]
     errors = [e for r in reports for e in r["errors"]]
     if errors:
         raise ExtractError(errors[0])

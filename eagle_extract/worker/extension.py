@@ -101,10 +101,11 @@ class HiddenStateExtension:
                 writer.expect_loss_masks(loss_masks)
             capture.expect(rows)
 
-    def eagle_drain(self, wait: bool = True, finished: list[int] | None = None) -> dict | None:
+    def eagle_drain(self, wait: bool = True, finished: list[int] | None = None, patience: float = 0.0) -> dict | None:
         """Report rows written, errors and capture stats; `wait` until capture and disk have caught up.
         Every row announced so far has run (a generate call returned, or the engine ran empty); with
-        `finished`, only these rows have, while others still run (the server's continuous batching)."""
+        `finished`, only these rows have, while others still run (the server's continuous batching).
+        Without `wait`, `patience` waits up to that long for a row to be written, when none was yet."""
         if not getattr(self, "_eagle", None):
             return None
         capture, writer = self._eagle
@@ -115,7 +116,7 @@ class HiddenStateExtension:
         captured = (
             capture.drain() if wait else {"stats": capture.counts(), "pending": [], "errors": list(capture.errors)}
         )
-        report = writer.drain(wait)
+        report = writer.drain(wait, patience)
         report["errors"] = captured["errors"] + report["errors"]
         redo, lost = capture.take_unwritten()
         return {**captured, **report, "redo": redo, "lost": lost, "untrusted": capture.untrusted}
