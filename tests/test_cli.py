@@ -100,25 +100,26 @@ def test_a_value_outside_a_declared_range_gets_one_line_naming_its_option(cls):
 
 def test_the_serve_command_printed_for_a_dataset_without_states_parses_back_to_its_capture():
     """`--states none` ends by printing the server that captures what the output would hold: the line goes
-    through serve's own parser to the manifest's options (fp8 storage, a pipeline's GPUs as TP, the decoder,
-    remote code, engine arguments of every JSON kind, a string that reads as JSON kept a string)."""
+    through serve's own parser to the manifest's options (fp8 storage, TP, the step budget, the decoder, remote
+    code, engine arguments of every JSON kind, a string that reads as JSON kept a string)."""
     from eagle_extract.faces import cli
 
     engine_args = {"max_num_seqs": 8, "kv_cache_dtype": "fp8", "tokenizer_mode": "123",
                    "hf_overrides": {"a": [1, "x"]}}  # fmt: skip
     config = {"tp": 2, "pp": 2, "decoder_path": "language_model.model", "trust_remote_code": True,
-              "engine_args": engine_args}  # fmt: skip
+              "max_num_batched_tokens": 512, "engine_args": engine_args}  # fmt: skip
     manifest = {"model": "/models/m v2", "aux_layer_ids": [2, 15, 27], "dtype": "bfloat16", "seq_length": 4096,
                 "storage_dtype": "float8_e4m3fn", "config": config}  # fmt: skip
     args = cli.serve_args(manifest)
     assert args[:2] == ["eagle-extract", "serve"]
     params = cli.serve_command.make_context("serve", args[2:]).params
     assert {k: params[k] for k in ("model", "layers", "dtype", "seq_length", "storage_dtype", "tp", "decoder_path",
-                                   "trust_remote_code", "engine_args")} == {  # fmt: skip
+                                   "trust_remote_code", "max_num_batched_tokens", "engine_args")} == {  # fmt: skip
         "model": "/models/m v2", "layers": "2,15,27", "dtype": "bfloat16", "seq_length": 4096, "storage_dtype": "fp8",
-        "tp": 4, "decoder_path": "language_model.model", "trust_remote_code": True,
+        "tp": 2, "decoder_path": "language_model.model", "trust_remote_code": True, "max_num_batched_tokens": 512,
         "engine_args": {"max_num_seqs": 8, "kv_cache_dtype": "fp8", "tokenizer_mode": "123",
                         "hf_overrides": {"a": [1, "x"]}},
     }  # fmt: skip
     plain = cli.serve_args({**manifest, "storage_dtype": "bfloat16", "config": {"tp": 1, "pp": 1}})
-    assert not {"--storage-dtype", "--tp", "--decoder-path", "--trust-remote-code", "--engine-arg"} & set(plain)
+    assert not {"--storage-dtype", "--tp", "--decoder-path", "--trust-remote-code", "--engine-arg",
+                "--max-num-batched-tokens"} & set(plain)  # fmt: skip

@@ -151,3 +151,18 @@ def test_host_memory_is_bounded_in_bytes_and_given_back_when_rows_are_written(tm
     budget.give(1500)
     budget.take(10_000)  # nothing in flight frees room: a step larger than the budget is let through
     assert budget.used == 10_000 and budget.peak == 10_000
+
+
+def test_a_drain_with_patience_returns_with_the_first_row_written_not_after_its_patience(tmp_path):
+    """The server's look at an empty engine: `drain(False, patience)` waits for a row, and no longer than that."""
+    import threading
+    import time
+
+    bg = BackgroundWriter(tmp_path, threads=1)
+    t0 = time.monotonic()
+    assert bg.drain(False, 0.2)["written"] == [] and 0.19 < time.monotonic() - t0 < 5  # nothing came: its patience
+    threading.Timer(0.3, bg.submit, (0, _rows(torch.zeros(2, 2, 2)), [1, 2])).start()
+    t0 = time.monotonic()
+    assert bg.drain(False, 30.0)["written"] == [0] and time.monotonic() - t0 < 10  # the row, long before 30 s
+    assert bg.drain(False, 0.0)["written"] == []  # no patience: no wait
+    bg.close()

@@ -54,9 +54,10 @@ step "train online: the same rows, every row's states pulled from eagle-extract 
 # The dataset files of out/ (token ids, loss masks, token_freq.pt) without its states, then the server with
 # out/'s layers and dtype, and the same trainer flags and epochs as the offline draft.
 read -r layers seq dtype < <(python3 -c "import json, sys; m = json.load(open(sys.argv[1]))
-print(','.join(map(str, m['aux_layer_ids'])), m['seq_length'], m['dtype'])" "$work/out/eagle_extract.json")
+print(','.join(map(str, m['aux_layer_ids'])), m['seq_length'], m['dtype'])" "$work/out/eagle_extract.json") \
+  || { echo "end_to_end.sh: $work/out is not a complete output: run the extract stage first" >&2; exit 1; }
 python3 -m eagle_extract --model "$model" --data "$work/out" --output "$work/out-online" --overwrite --states none \
-  --layers "$layers" --seq-length "${seq:?out/ has no manifest}" --dtype "$dtype"
+  --layers "$layers" --seq-length "$seq" --dtype "$dtype"
 port=${PORT:-8765}
 python3 -m eagle_extract serve --model "$model" --layers "$layers" --seq-length "$seq" --dtype "$dtype" --port "$port" \
   --spool "${SPOOL:-/dev/shm}" --engine-arg gpu_memory_utilization=0.3 > "$work/serve.log" 2>&1 &

@@ -146,15 +146,18 @@ def _run_or_fail(fn, *args, interrupted="interrupted; every completed row is kep
 
 def serve_args(manifest: dict) -> list[str]:
     """`eagle-extract serve` capturing the states an output of `manifest` would hold: its model, layers, dtypes,
-    length, decoder, GPUs and engine arguments (serve has no --pp: a pipeline's GPUs serve as TP)."""
+    length, TP, step budget, decoder and engine arguments (serve has no --pp: an output made with it gets its
+    TP alone, and the GPUs a server needs are the user's to give)."""
     config = manifest.get("config") or {}
     cmd = ["eagle-extract", "serve", "--model", str(manifest["model"]),
            "--layers", ",".join(map(str, manifest["aux_layer_ids"])), "--dtype", manifest["dtype"],
            "--seq-length", str(manifest["seq_length"])]  # fmt: skip
     if manifest.get("storage_dtype") == "float8_e4m3fn":
         cmd += ["--storage-dtype", "fp8"]
-    if (gpus := config.get("tp", 1) * config.get("pp", 1)) > 1:
-        cmd += ["--tp", str(gpus)]
+    if config.get("tp", 1) > 1:
+        cmd += ["--tp", str(config["tp"])]
+    if config.get("max_num_batched_tokens"):
+        cmd += ["--max-num-batched-tokens", str(config["max_num_batched_tokens"])]
     if config.get("decoder_path"):
         cmd += ["--decoder-path", str(config["decoder_path"])]
     if config.get("trust_remote_code"):

@@ -232,9 +232,10 @@ class EngineLoop(threading.Thread):
                     # for the disk (their files, and any row lost, come in at later looks), answer each file
                     # as it is written, and let new requests in between looks
                     settle, self._unsettled, self._refused = self._unsettled, False, []  # a settle covers refusals
-                    t0 = time.perf_counter()
-                    self._answer(self._drain(False, None if settle else [], PATIENCE_S))
-                    self.idle_s += time.perf_counter() - t0
+                    before = self.drain_s
+                    got = self._drain(False, None if settle else [], PATIENCE_S)
+                    self.idle_s += self.drain_s - before
+                    self._answer(got)
                     self._hold = self._hold or self._stalled()
                     continue
                 # the engine is empty and a row is distrusted, parked or stalled (or nothing is in flight):

@@ -166,7 +166,7 @@ class BackgroundWriter:
         if wait:
             self._queue.join()
         with self._lock:
-            if not wait and not self.written and not self.errors:
+            if patience > 0 and not wait and not self.written and not self.errors:
                 self._lock.wait(patience)
             report = {"written": self.written, "errors": list(self.errors)}
             self.written = []
