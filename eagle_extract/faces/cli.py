@@ -162,18 +162,10 @@ def serve_args(manifest: dict) -> list[str]:
         cmd += ["--decoder-path", str(config["decoder_path"])]
     if config.get("trust_remote_code"):
         cmd.append("--trust-remote-code")
-    for key, value in (config.get("engine_args") or {}).items():  # as parse_engine_args reads them back
-        text = value if isinstance(value, str) and not _json_text(value) else json.dumps(value)
-        cmd += ["--engine-arg", f"{key}={text}"]
+    for key, value in (config.get("engine_args") or {}).items():  # plain where parse_engine_args reads it back
+        pair = f"{key}={value}"
+        cmd += ["--engine-arg", pair if parse_engine_args((pair,)) == {key: value} else f"{key}={json.dumps(value)}"]
     return cmd
-
-
-def _json_text(value: str) -> bool:
-    try:
-        json.loads(value)
-    except json.JSONDecodeError:
-        return False
-    return True
 
 
 def _summarise(summary: api.Summary) -> None:
