@@ -16,6 +16,12 @@ parallel as writer threads, fsynced), so the writer's GB/s is reported as a frac
 Prints one table: tokens/s (median, min, max), the b/a ratio (median of per-repetition ratios),
 bytes per token, GB/s written, the capture's peak host-memory budget use and the peak resident
 memory of the whole process tree.
+
+--leave-out write,copy,store adds b variants that stop the capture short, to place its cost by
+differences: `write` drops each finished row unwritten, `copy` also keeps each step's states off the
+host (no pinned buffer, no device-to-host copy; token ids and positions still go), `store` also skips
+the hooks' adds into the step buffer (the hooks still run).  They reach the worker's capture with
+collective_rpc callables, so the engine runs with VLLM_ALLOW_INSECURE_SERIALIZATION=1.
 """
 
 from __future__ import annotations
@@ -172,6 +178,27 @@ def disk_write_rate(folder: Path, nbytes: int, streams: int, block: int = 64 << 
     return blocks * block * streams / seconds / 1e9
 
 
+STOPPED = {
+    "write": "rows dropped unwritten",
+    "copy": "no host copy, nothing written",
+    "store": "no adds, no host copy, nothing written",
+}
+
+
+def leave_out(worker, stage: str) -> None:
+    """(Run on the worker by collective_rpc) stop the installed capture short at `stage` (module docstring)."""
+    import torch
+
+    from eagle_extract.worker.hostmem import Held
+
+    capture, _ = worker._eagle
+    capture.on_complete = lambda *row: None  # every variant drops its rows unwritten
+    if stage in ("copy", "store"):
+        capture._to_held = lambda staging: Held(capture.budget, 0, torch.empty((staging.shape[0], 0)), None)
+    if stage == "store":
+        capture._store = lambda column, hidden, residual: None
+
+
 def layer_cut(model: str, layers: int, where: Path) -> str:
     """A copy of `model`'s config.json with its first `layers` layers (dummy weights only)."""
     config = json.loads((Path(model) / "config.json").read_text())
@@ -219,7 +246,17 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=None, help="cut the model to its first N layers (--dummy)")
     ap.add_argument("--host-memory", type=float, default=None, help="the capture's host-memory budget, GiB")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="as the CLI's, repeatable")
+    ap.add_argument(
+        "--leave-out",
+        default="",
+        help="comma-separated stages (write, copy, store): b also runs stopped short at each (module docstring)",
+    )
     args = ap.parse_args()
+    stops = [x for x in args.leave_out.split(",") if x]
+    if set(stops) - set(STOPPED):
+        ap.error(f"--leave-out takes write, copy and store, not {args.leave_out!r}")
+    if stops:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the callables above travel to the worker
     if args.num_layers:
         args.model = layer_cut(args.model, args.num_layers, args.out.parent)
 
@@ -260,10 +297,12 @@ def main() -> None:
         if builtin:
             builtin.generate(batch[:8], params, use_tqdm=False)
         threads = [int(x) for x in args.writer_threads.split(",")]
-        runs = [(d, n) for d in args.storage_dtypes.split(",") for n in threads]  # every b variant
-        by_run: dict[tuple[str, int], list[float]] = {r: [] for r in runs}
-        written: dict[tuple[str, int], int] = {}
-        host_peak: dict[tuple[str, int], int] = {}
+        # every b variant: storage dtype, writer threads, the stage it stops short at ("" for none)
+        runs = [(d, n, "") for d in args.storage_dtypes.split(",") for n in threads]
+        runs += [(d, threads[0], stop) for d in args.storage_dtypes.split(",") for stop in stops]
+        by_run: dict[tuple[str, int, str], list[float]] = {r: [] for r in runs}
+        written: dict[tuple[str, int, str], int] = {}
+        host_peak: dict[tuple[str, int, str], int] = {}
         plain, vllm_own, vllm_written, disk = [], [], [], []
         budget = host_bytes_per_rank(args.host_memory, 1)
         for rep in range(args.reps):
@@ -271,22 +310,25 @@ def main() -> None:
             llm.generate(batch, params, use_tqdm=False)
             plain.append(tokens / (time.perf_counter() - t))
 
-            for storage, n in runs:
+            for storage, n, stop in runs:
                 shutil.rmtree(args.out, ignore_errors=True)
                 os.sync()  # the last run's deletions and writes are not charged to this one
                 spec = CaptureSpec(str(args.out), tuple(aux), budget, fp8=storage == "fp8", writer_threads=n or None)
                 llm.collective_rpc("eagle_install", args=(spec.as_rpc(),))
+                if stop:
+                    llm.collective_rpc(leave_out, args=(stop,))
                 t = time.perf_counter()
                 llm.collective_rpc("eagle_expect", args=([(i, p) for i, p in enumerate(prompts)],))
                 llm.generate(batch, params, use_tqdm=False)
                 reports = [r for r in llm.collective_rpc("eagle_drain", args=(True,)) if r]
                 if args.sync:
                     os.sync()
-                by_run[storage, n].append(tokens / (time.perf_counter() - t))
+                by_run[storage, n, stop].append(tokens / (time.perf_counter() - t))
                 llm.collective_rpc("eagle_remove")
-                assert not reports[0]["errors"] and len(reports[0]["written"]) == args.prompts, reports[0]["errors"]
-                written[storage, n] = sum(f.stat().st_size for f in (args.out / "hidden_states").iterdir())
-                host_peak[storage, n] = max(host_peak.get((storage, n), 0), reports[0]["stats"]["host_peak_bytes"])
+                assert not reports[0]["errors"] and len(reports[0]["written"]) == (0 if stop else args.prompts), reports
+                written[storage, n, stop] = sum(f.stat().st_size for f in (args.out / "hidden_states").iterdir())
+                peak = max(host_peak.get((storage, n, stop), 0), reports[0]["stats"]["host_peak_bytes"])
+                host_peak[storage, n, stop] = peak
             if args.sync:
                 shutil.rmtree(args.out, ignore_errors=True)
                 disk.append(disk_write_rate(args.out, written[runs[0]], threads[0] or default_writer_threads()))
@@ -312,7 +354,7 @@ def main() -> None:
         )
 
     def label(r):
-        return f"{r[0]}, {r[1] or default_writer_threads()} writer threads"
+        return f"{r[0]}, {r[1] or default_writer_threads()} writer threads" + (f", {STOPPED[r[2]]}" if r[2] else "")
 
     def gbps(r):
         return statistics.median(by_run[r]) * written[r] / tokens / 1e9
@@ -356,10 +398,11 @@ def main() -> None:
     print("\n| run | tokens/s median (min-max) | b/a | GB/s written | of the disk's | peak host budget use |")
     print(f"|---|---|---|---|---|---|\n| a: plain generate(max_tokens=1) | {stats(plain)} | 1 | | | |")
     for r, v in by_run.items():
-        ratio = statistics.median(b / a for a, b in zip(plain, v))
+        each = [b / a for a, b in zip(plain, v)]
+        ratio = f"{statistics.median(each):.3f} ({', '.join(f'{x:.3f}' for x in each)})"
         share = f"{gbps(r) / statistics.median(disk):.2f}" if disk else "-"
         print(
-            f"| b: eagle-extract, {label(r)}{', synced' if args.sync else ''} | {stats(v)} | {ratio:.3f} | "
+            f"| b: eagle-extract, {label(r)}{', synced' if args.sync else ''} | {stats(v)} | {ratio} | "
             f"{gbps(r):.2f} | {share} | {host_peak[r] / 2**30:.2f} GiB |"
         )
     if disk:

@@ -1,0 +1,148 @@
+"""The row writer alone against the disk's own fsynced rate, in one folder, alternated.
+
+    python benchmarks/writer_vs_disk.py --folder DIR [--gb 24] [--reps 3] [--tokens 2048] [--slots 4]
+        [--hidden 7168] [--threads 0] [--json PATH]
+
+Each repetition writes about --gb of rows with eagle-extract's own `BackgroundWriter` (checksum, fsync,
+rename: what an extraction's worker does with a finished row), once as bf16 rows and once as FP8 rows
+already quantised (as the capture hands them over on a GPU); the bf16 rows' bytes as plain files, one
+write, fsync and rename each, on as many threads (what a row costs as a file, without the format and
+the checksum); and the disk with as many files written side by side as writer threads (64 MiB blocks,
+fsynced: throughput.py's probe). Every variant is
+timed until `os.sync()` returns, so the page cache cannot flatter it, and the order rotates between
+repetitions. No engine: this isolates the writer, which an extraction's b/a figure mixes with the GPU's
+ramp at the start and the last rows' tail. Prints each variant's GB/s and the writer's share of the disk
+(median of per-repetition ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.throughput import disk_write_rate  # noqa: E402
+from eagle_extract.files.fp8 import to_fp8  # noqa: E402
+from eagle_extract.files.writer import BackgroundWriter, default_writer_threads  # noqa: E402
+from eagle_extract.worker.hostmem import ByteBudget, Held, Rows  # noqa: E402
+
+
+def write_rows(folder: Path, rows: Rows, token_ids: list[int], count: int, threads: int, fp8: bool) -> float:
+    """GB/s of `count` copies of `rows` written by the writer, timed until os.sync() returns."""
+    shutil.rmtree(folder, ignore_errors=True)
+    os.sync()  # the last variant's deletions are not charged to this one
+    t = time.perf_counter()
+    writer = BackgroundWriter(folder, fp8=fp8, threads=threads, layer_ids=list(range(rows.states.shape[1])))
+    for index in range(count):
+        writer.submit(index, rows, token_ids)
+    report = writer.drain()
+    writer.close()
+    os.sync()
+    seconds = time.perf_counter() - t
+    if report["errors"] or len(report["written"]) != count:
+        raise SystemExit(f"writer_vs_disk: the writer failed: {report['errors'][:3]}")
+    nbytes = sum(f.stat().st_size for f in (folder / "hidden_states").iterdir())
+    shutil.rmtree(folder)
+    return nbytes / seconds / 1e9
+
+
+def write_plain_files(folder: Path, data, count: int, threads: int) -> float:
+    """GB/s of `count` files of `data`'s bytes, each written, fsynced and renamed by one of `threads`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    os.sync()
+
+    def write(index: int) -> None:
+        tmp, final = folder / f".{index}.tmp", folder / f"{index}.bin"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(write, range(count)))
+    os.sync()
+    seconds = time.perf_counter() - t
+    shutil.rmtree(folder)
+    return count * len(data) / seconds / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--folder", type=Path, required=True, help="on the disk to measure; emptied and removed")
+    ap.add_argument("--gb", type=float, default=24.0, help="bytes of bf16 rows per repetition (FP8: half)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per row")
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=7168, help="Kimi-K2.5's width by default")
+    ap.add_argument("--threads", type=int, default=0, help="writer threads, 0 for eagle-extract's default")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.folder.exists() and any(args.folder.iterdir()):
+        raise SystemExit(f"writer_vs_disk: {args.folder} is not empty: name a new folder (it is removed after)")
+    threads = args.threads or default_writer_threads()
+    free = shutil.disk_usage(args.folder.parent if not args.folder.exists() else args.folder).free
+    if args.gb * 1e9 > 0.8 * free:
+        raise SystemExit(f"writer_vs_disk: --gb {args.gb:g} needs more than 80 % of the {free / 1e9:.1f} GB free")
+
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(args.tokens, args.slots, args.hidden, generator=g).to(torch.bfloat16)
+    budget = ByteBudget(1 << 62)  # the rows share one buffer: nothing to bound here
+    bf16 = Rows(Held(budget, 0, states, None), 0, args.tokens)
+    quantised, scales = to_fp8(states)
+    fp8 = Rows(Held(budget, 0, quantised, scales), 0, args.tokens)
+    token_ids = list(range(args.tokens))
+    count = max(1, int(args.gb * 1e9 // states.nbytes))
+
+    variants = {
+        "bf16 rows": lambda: write_rows(args.folder, bf16, token_ids, count, threads, False),
+        "FP8 rows": lambda: write_rows(args.folder, fp8, token_ids, count, threads, True),
+        "bf16 rows' bytes as plain files": lambda: write_plain_files(
+            args.folder, states.view(-1).view(torch.uint8).numpy().data, count, threads
+        ),
+        "disk": lambda: disk_write_rate(args.folder, int(args.gb * 1e9), threads),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants)
+    for rep in range(args.reps):
+        for name in order[rep % len(order) :] + order[: rep % len(order)]:
+            rates[name].append(variants[name]())
+            print(f"rep {rep + 1}/{args.reps}: {name} {rates[name][-1]:.2f} GB/s", file=sys.stderr, flush=True)
+    shutil.rmtree(args.folder, ignore_errors=True)
+
+    share = {name: [w / d for w, d in zip(rates[name], rates["disk"])] for name in rates if name != "disk"}
+    print(f"\n{count} rows of [{args.tokens}, {args.slots}, {args.hidden}] per repetition, {threads} writer threads")
+    print("| variant | GB/s median (min-max) | of the disk's, median (per rep) |\n|---|---|---|")
+    for name, values in rates.items():
+        ratio = (
+            f"{statistics.median(share[name]):.3f} ({', '.join(f'{x:.3f}' for x in share[name])})"
+            if name in share
+            else "1"
+        )
+        print(f"| {name} | {statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f}) | {ratio} |")
+    if args.json:
+        figures = {
+            "rows_per_rep": count,
+            "row_shape": [args.tokens, args.slots, args.hidden],
+            "threads": threads,
+            "GBps": rates,
+            "of_disk": share,
+        }
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
