@@ -5,7 +5,8 @@
 #   pinned  seconds to pin 1 GiB host blocks in a fresh process, then again from PyTorch's cache
 #   stages  throughput.py on tmpfs: Kimi-K2.5's text widths cut to 4 layers, 128 x 2,048 tokens, bf16 and FP8,
 #           b also stopped short at each stage (--leave-out write,copy,store), 4 repetitions
-#   writer  writer_vs_disk.py on the machine's disk (this folder), 20 GB of bf16 rows a repetition, 3 repetitions
+#   writer  writer_vs_disk.py on the machine's disk (this folder), 20 GB of bf16 rows a repetition, 3 repetitions,
+#           safetensors' save_file beside the streamed writer
 set -euo pipefail
 out=${1:?usage: capture_cost_h200.sh OUT [pinned] [stages] [writer]}
 shift
@@ -32,7 +33,7 @@ EOF
               --layers 1,2,3 --prompts 128 --prompt-len 2048 --reps 4 --storage-dtypes model,fp8 \
               --leave-out write,copy,store --out /dev/shm/eagle-bench --json "$out/stages.json" 2>&1 \
               | grep -v -i warning | tail -16 | tee "$out/stages.txt" ;;
-    writer) python3 benchmarks/writer_vs_disk.py --folder "$PWD/writer-vs-disk" --gb 20 --reps 3 \
+    writer) python3 benchmarks/writer_vs_disk.py --folder "$PWD/writer-vs-disk" --gb 20 --reps 3 --with-save-file \
               --json "$out/writer.json" 2>&1 | tee "$out/writer.txt" ;;
     *) echo "capture_cost_h200.sh: unknown part $part (pinned, stages, writer)" >&2; exit 2 ;;
   esac

@@ -1,15 +1,15 @@
 """The row writer alone against the disk's own fsynced rate, in one folder, alternated.
 
     python benchmarks/writer_vs_disk.py --folder DIR [--gb 24] [--reps 3] [--tokens 2048] [--slots 4]
-        [--hidden 7168] [--threads 0] [--json PATH]
+        [--hidden 7168] [--threads 0] [--with-save-file] [--json PATH]
 
 Each repetition writes about --gb of rows with eagle-extract's own `BackgroundWriter` (checksum, fsync,
 rename: what an extraction's worker does with a finished row), once as bf16 rows and once as FP8 rows
-already quantised (as the capture hands them over on a GPU); the bf16 rows' bytes as plain files, one
-write, fsync and rename each, on as many threads (what a row costs as a file, without the format and
-the checksum); and the disk with as many files written side by side as writer threads (64 MiB blocks,
-fsynced: throughput.py's probe). Every variant is
-timed until `os.sync()` returns, so the page cache cannot flatter it, and the order rotates between
+already quantised (as the capture hands them over on a GPU), and measures the disk with as many files
+written side by side as writer threads (64 MiB blocks, each started on the disk as written, fsynced:
+throughput.py's probe). --with-save-file adds the bf16 rows written the way eagle-extract wrote them
+until 2026-12-04: the same writer, each file by safetensors' own `save_file` (whole, then fsynced). Every
+variant is timed until `os.sync()` returns, so the page cache cannot flatter it, and the order rotates between
 repetitions. No engine: this isolates the writer, which an extraction's b/a figure mixes with the GPU's
 ramp at the start and the last rows' tail. Prints each variant's GB/s and the writer's share of the disk
 (median of per-repetition ratios).
@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.throughput import disk_write_rate  # noqa: E402
+from eagle_extract.files import safetensors_stream  # noqa: E402
 from eagle_extract.files.fp8 import to_fp8  # noqa: E402
 from eagle_extract.files.writer import BackgroundWriter, default_writer_threads  # noqa: E402
 from eagle_extract.worker.hostmem import ByteBudget, Held, Rows  # noqa: E402
@@ -55,29 +56,16 @@ def write_rows(folder: Path, rows: Rows, token_ids: list[int], count: int, threa
     return nbytes / seconds / 1e9
 
 
-def write_plain_files(folder: Path, data, count: int, threads: int) -> float:
-    """GB/s of `count` files of `data`'s bytes, each written, fsynced and renamed by one of `threads`."""
-    from concurrent.futures import ThreadPoolExecutor
+def with_save_file(write):
+    """`write` run with each row file written by safetensors' save_file instead of safetensors_stream."""
+    from safetensors.torch import save_file
 
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    os.sync()
-
-    def write(index: int) -> None:
-        tmp, final = folder / f".{index}.tmp", folder / f"{index}.bin"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-
-    t = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(write, range(count)))
-    os.sync()
-    seconds = time.perf_counter() - t
-    shutil.rmtree(folder)
-    return count * len(data) / seconds / 1e9
+    ours = safetensors_stream.save
+    safetensors_stream.save = lambda path, tensors, metadata, start_disk: save_file(tensors, str(path), metadata)
+    try:
+        return write()
+    finally:
+        safetensors_stream.save = ours
 
 
 def main() -> None:
@@ -89,6 +77,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=7168, help="Kimi-K2.5's width by default")
     ap.add_argument("--threads", type=int, default=0, help="writer threads, 0 for eagle-extract's default")
+    ap.add_argument("--with-save-file", action="store_true", help="also the rows written by safetensors' save_file")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.folder.exists() and any(args.folder.iterdir()):
@@ -110,11 +99,13 @@ def main() -> None:
     variants = {
         "bf16 rows": lambda: write_rows(args.folder, bf16, token_ids, count, threads, False),
         "FP8 rows": lambda: write_rows(args.folder, fp8, token_ids, count, threads, True),
-        "bf16 rows' bytes as plain files": lambda: write_plain_files(
-            args.folder, states.view(-1).view(torch.uint8).numpy().data, count, threads
+        "bf16 rows, safetensors' save_file": lambda: with_save_file(
+            lambda: write_rows(args.folder, bf16, token_ids, count, threads, False)
         ),
         "disk": lambda: disk_write_rate(args.folder, int(args.gb * 1e9), threads),
     }
+    if not args.with_save_file:
+        del variants["bf16 rows, safetensors' save_file"]
     rates: dict[str, list[float]] = {name: [] for name in variants}
     order = list(variants)
     for rep in range(args.reps):

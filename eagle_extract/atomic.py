@@ -72,7 +72,7 @@ class RecordError(ExtractError, ValueError):
 
 
 def is_disk_full(exc: Exception) -> bool:
-    """ENOSPC as an OSError, or inside safetensors' own error, which carries only the text."""
+    """ENOSPC as an OSError, or inside a library's error that carries only the text (safetensors' did)."""
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return True
     return "No space left on device" in str(exc) or "os error 28" in str(exc)

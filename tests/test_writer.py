@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import json
+import re
 import weakref
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from eagle_extract.files import writer
+from eagle_extract.files import safetensors_stream, writer
 from eagle_extract.files.rowfile import changed_since_written, checksum, hidden_state_path, legacy_tensors, read_row
 from eagle_extract.files.writer import BackgroundWriter, write_hidden_states
 
@@ -25,6 +27,69 @@ def test_file_round_trip(tmp_path):
     assert [p.name for p in (tmp_path / "hidden_states").iterdir()] == ["hs_3.safetensors"]
 
 
+ROW_TENSORS = {
+    "bf16 row": {"hidden_states": torch.randn(5, 3, 7).to(torch.bfloat16), "token_ids": torch.arange(5)},
+    "fp8 row": {
+        "hidden_states": torch.randn(5, 3, 7).to(torch.float8_e4m3fn),
+        "hidden_states_scales": torch.rand(5, 1, 1),
+        "token_ids": torch.arange(5),
+    },
+    "no tokens": {"hidden_states": torch.zeros(0, 3, 7), "token_ids": torch.arange(0)},
+    "every dtype": {
+        name: torch.arange(3).to(dtype) for name, dtype in zip("abcdefghi", safetensors_stream.DTYPES)
+    },
+    "a scalar": {"x": torch.tensor(3.0)},
+}
+
+
+@pytest.mark.parametrize("metadata", [None, {}, {"checksum": "xxh3_128:" + "0" * 32, "slot_layer_ids": "2,15,27,30"}])
+@pytest.mark.parametrize("chunk", [5, 8 << 20])
+@pytest.mark.parametrize("name", list(ROW_TENSORS))
+def test_a_streamed_file_holds_what_safetensors_own_writer_writes(tmp_path, monkeypatch, name, chunk, metadata):
+    """The same header (length, JSON) and data bytes as safetensors' save_file, in 5-byte chunks too; only
+    the metadata's key order may differ, since safetensors' own order is not fixed.  (One metadata key, or
+    none: then the files are equal byte for byte.)"""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(safetensors_stream, "CHUNK", chunk)
+    tensors = ROW_TENSORS[name]
+    save_file(tensors, str(tmp_path / "theirs"), metadata=metadata)
+    safetensors_stream.save(tmp_path / "ours", tensors, metadata, start_disk=True)
+    theirs, ours = (tmp_path / "theirs").read_bytes(), (tmp_path / "ours").read_bytes()
+    n = int.from_bytes(theirs[:8], "little")
+    assert ours[:8] == theirs[:8] and json.loads(ours[8 : 8 + n]) == json.loads(theirs[8 : 8 + n])
+    assert ours[8 + n :] == theirs[8 + n :]
+    if len(metadata or {}) < 2:
+        assert ours == theirs
+    with safe_open(str(tmp_path / "ours"), "pt") as f:
+        assert f.metadata() == metadata and sorted(f.keys()) == sorted(tensors)
+        for key in tensors:
+            got, put = (t.reshape(-1).view(torch.uint8) for t in (f.get_tensor(key), tensors[key]))
+            assert f.get_slice(key).get_shape() == list(tensors[key].shape) and torch.equal(got, put)
+
+
+def test_a_streamed_file_without_sync_file_range_is_the_same(tmp_path, monkeypatch):
+    tensors = ROW_TENSORS["fp8 row"]
+    safetensors_stream.save(tmp_path / "started", tensors, {"k": "v"}, start_disk=True)
+    monkeypatch.setattr(safetensors_stream, "_sync_range", None)
+    safetensors_stream.save(tmp_path / "plain", tensors, {"k": "v"}, start_disk=True)
+    assert (tmp_path / "started").read_bytes() == (tmp_path / "plain").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "tensor, said",
+    [
+        (torch.zeros(2, 2, dtype=torch.complex64), "states: dtype torch.complex64 has no safetensors name here"),
+        (torch.zeros(4, 3).t(), "states: a contiguous host tensor is needed"),
+    ],
+)
+def test_a_tensor_the_format_cannot_hold_is_named(tmp_path, tensor, said):
+    with pytest.raises(ValueError, match=re.escape(said)):
+        safetensors_stream.save(tmp_path / "x", {"states": tensor}, None, start_disk=False)
+    assert not (tmp_path / "x").exists()
+
+
 def test_every_changed_data_byte_breaks_the_checksum(tmp_path):
     (tmp_path / "hidden_states").mkdir()
     write_hidden_states(tmp_path, 0, torch.randn(3, 2, 4).to(torch.bfloat16), [1, 2, 3], layer_ids=[2, 6])
@@ -34,7 +99,7 @@ def test_every_changed_data_byte_breaks_the_checksum(tmp_path):
     assert changed_since_written(tensors, meta) is None
     raw = path.read_bytes()
     data = 8 + int.from_bytes(raw[:8], "little")
-    assert len(raw) - data == 3 * 2 * 4 * 2 + 3 * 8  # the data section: hidden_states, then token_ids
+    assert len(raw) - data == 3 * 2 * 4 * 2 + 3 * 8  # the data section: token_ids, then hidden_states
     for at in range(data, len(raw)):
         path.write_bytes(raw[:at] + bytes([raw[at] ^ 0x80]) + raw[at + 1 :])
         assert changed_since_written(*read_row(path)), at
@@ -59,23 +124,23 @@ def test_background_writer_records_the_layer_ids_in_both_formats(tmp_path):
     assert all(torch.equal(sample["hidden_states"][k], states[:, k]) for k in range(3))
 
 
-def _disk_full(tensors, filename, metadata=None):
-    with open(filename, "wb") as f:
+def _disk_full(path, tensors, metadata, start_disk):
+    with open(path, "wb") as f:
         f.write(b"partial")
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def _safetensors_disk_full(tensors, filename, metadata=None):
-    with open(filename, "wb") as f:
+def _text_only_disk_full(path, tensors, metadata, start_disk):
+    with open(path, "wb") as f:
         f.write(b"partial")
-    # what safetensors 0.8 raises on a full disk (seen in the full-disk test): no errno, only text
+    # what safetensors 0.8 raised on a full disk (seen in the full-disk test): no errno, only text
     raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
 
-@pytest.mark.parametrize("failing_save", [_disk_full, _safetensors_disk_full])
+@pytest.mark.parametrize("failing_save", [_disk_full, _text_only_disk_full])
 def test_full_disk_leaves_no_file_and_names_the_fix(tmp_path, monkeypatch, failing_save):
     (tmp_path / "hidden_states").mkdir()
-    monkeypatch.setattr(writer, "save_file", failing_save)
+    monkeypatch.setattr(safetensors_stream, "save", failing_save)
     with pytest.raises(OSError, match="disk full .* free space and rerun") as err:
         write_hidden_states(tmp_path, 0, torch.zeros(2, 2, 2), [1, 2])
     assert "\n" not in str(err.value)
@@ -94,7 +159,7 @@ def test_background_writer_reports_failures_and_stops_writing(tmp_path, monkeypa
     bg.submit(0, _rows(torch.zeros(2, 2, 2)), [1, 2])
     first = bg.drain()
     assert first["written"] == [0] and first["errors"] == []
-    monkeypatch.setattr(writer, "save_file", _disk_full)
+    monkeypatch.setattr(safetensors_stream, "save", _disk_full)
     bg.submit(1, _rows(torch.zeros(2, 2, 2)), [1, 2])
     bg.submit(2, _rows(torch.zeros(2, 2, 2)), [1, 2])
     report = bg.drain()
@@ -128,8 +193,8 @@ def test_host_memory_is_bounded_in_bytes_and_given_back_when_rows_are_written(tm
 
     budget = ByteBudget(3000)
     gate = threading.Event()
-    real = writer.save_file
-    monkeypatch.setattr(writer, "save_file", lambda *a, **k: (gate.wait(), real(*a, **k)))  # a slow disk
+    real = safetensors_stream.save
+    monkeypatch.setattr(safetensors_stream, "save", lambda *a: (gate.wait(), real(*a)))  # a slow disk
     bg = BackgroundWriter(tmp_path, threads=1)
     for i in range(2):  # two "steps" of 1,000 bytes, one row each, handed to the writer
         budget.take(1000)

@@ -21,9 +21,9 @@ import threading
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..atomic import fsync, write_atomically
+from . import safetensors_stream
 from .fp8 import SCALES, to_fp8
 from .rowfile import HIDDEN_DIR, LEGACY_RECORD, hidden_state_path, legacy_tensors, row_metadata
 
@@ -52,7 +52,7 @@ def write_hidden_states(
     nbytes = sum(t.nbytes for t in tensors.values())
     meta = row_metadata(tensors, layer_ids)
     path = hidden_state_path(output, index)
-    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), nbytes, durable=durable)
+    write_atomically(path, lambda tmp: safetensors_stream.save(tmp, tensors, meta, durable), nbytes, durable=durable)
 
 
 def write_legacy(
