@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Where the capture's cost goes at Kimi-K2.5's widths, and the writer against the disk (docs/benchmarks.md,
-# "Performance, round three"), on one GPU machine with vLLM installed:
+# "Where the capture's 6-8 % at Kimi widths goes" and "The writer against the disk"), on one GPU machine with
+# vLLM installed:
 #   scripts/gpu_run.sh PIECES bash benchmarks/capture_cost_h200.sh OUT [pinned] [stages] [writer]
 #   pinned  seconds to pin 1 GiB host blocks in a fresh process, then again from PyTorch's cache
 #   stages  throughput.py on tmpfs: Kimi-K2.5's text widths cut to 4 layers, 128 x 2,048 tokens, bf16 and FP8,
 #           b also stopped short at each stage (--leave-out write,copy,store), 4 repetitions
 #   writer  writer_vs_disk.py on the machine's disk (this folder), 20 GB of bf16 rows a repetition, 3 repetitions,
-#           safetensors' save_file beside the streamed writer
+#           safetensors' save_file beside the streamed writer (20 GB fits in an H200 host's RAM: each variant is
+#           timed through os.sync, but a disk may sustain less over runs longer than the page cache)
 set -euo pipefail
 out=${1:?usage: capture_cost_h200.sh OUT [pinned] [stages] [writer]}
 shift
+mkdir -p "$out"
 parts=${*:-pinned stages writer}
 for part in $parts; do
   case $part in

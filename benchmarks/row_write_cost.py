@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from eagle_extract.atomic import write_atomically
+from eagle_extract.files import safetensors_stream
 from eagle_extract.files.rowfile import checksum, hidden_state_path, row_metadata
 from eagle_extract.files.writer import write_hidden_states
 
@@ -56,7 +56,7 @@ def _write_row(folder: Path, index: int, row: torch.Tensor, ids: list[int], with
     tensors = {"token_ids": torch.tensor(ids, dtype=torch.int64), "hidden_states": row}
     meta = row_metadata(tensors, LAYER_IDS) if without == "fsync" else None
     path = hidden_state_path(folder, index)
-    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), durable=without != "fsync")
+    write_atomically(path, lambda tmp: safetensors_stream.save(tmp, tensors, meta, durable=without != "fsync"))
 
 
 def _timed(write, nbytes: int, sync: bool) -> float:

@@ -18,10 +18,11 @@ bytes per token, GB/s written, the capture's peak host-memory budget use and the
 memory of the whole process tree.
 
 --leave-out write,copy,store adds b variants that stop the capture short, to place its cost by
-differences: `write` drops each finished row unwritten, `copy` also keeps each step's states off the
-host (no pinned buffer, no device-to-host copy; token ids and positions still go), `store` also skips
-the hooks' adds into the step buffer (the hooks still run).  They reach the worker's capture with
-collective_rpc callables, so the engine runs with VLLM_ALLOW_INSECURE_SERIALIZATION=1.
+differences: `write` drops each finished row unwritten; `copy` also keeps each step's states off the
+host (no pinned buffer, no device-to-host copy, no FP8 quantisation; token ids and positions are still
+copied and assembled); `store` also skips the hooks' adds, so no step buffer is made and every step is
+dropped at the stage's end (no positions, no assembly; the hooks still run).  They reach the worker's
+capture with collective_rpc callables, so the engine runs with VLLM_ALLOW_INSECURE_SERIALIZATION=1.
 """
 
 from __future__ import annotations
@@ -167,13 +168,16 @@ def disk_write_rate(folder: Path, nbytes: int, streams: int, block: int = 64 << 
     def write(k: int) -> None:
         with open(folder / f".disk-probe-{k}", "wb", buffering=0) as f:
             for n in range(blocks):
-                f.write(data)
+                left = memoryview(data)
+                while left:
+                    left = left[f.write(left) :]
                 start_writeback(f.fileno(), n * block, block)
             os.fsync(f.fileno())
 
     t = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         list(pool.map(write, range(streams)))
+    os.sync()  # the files' metadata too, as the rows' figures count theirs
     seconds = time.perf_counter() - t
     for k in range(streams):
         (folder / f".disk-probe-{k}").unlink()
@@ -183,8 +187,8 @@ def disk_write_rate(folder: Path, nbytes: int, streams: int, block: int = 64 << 
 
 STOPPED = {
     "write": "rows dropped unwritten",
-    "copy": "no host copy, nothing written",
-    "store": "no adds, no host copy, nothing written",
+    "copy": "no host copy (nor FP8 quantisation), nothing written",
+    "store": "no step buffer, adds or assembly (every step dropped), nothing written",
 }
 
 
@@ -194,10 +198,17 @@ def leave_out(worker, stage: str) -> None:
 
     from eagle_extract.worker.hostmem import Held
 
+    if not getattr(worker, "_eagle", None):  # a rank that does not write
+        return
     capture, _ = worker._eagle
     capture.on_complete = lambda *row: None  # every variant drops its rows unwritten
     if stage in ("copy", "store"):
-        capture._to_held = lambda staging: Held(capture.budget, 0, torch.empty((staging.shape[0], 0)), None)
+
+        def held_nothing(staging):  # a host step buffer (CPU engine) has its bytes taken already: give them back
+            taken = staging.nbytes if staging.device.type == "cpu" else 0
+            return Held(capture.budget, taken, torch.empty((staging.shape[0], 0)), None)
+
+        capture._to_held = held_nothing
     if stage == "store":
         capture._store = lambda column, hidden, residual: None
 
@@ -328,7 +339,9 @@ def main() -> None:
                     os.sync()
                 by_run[storage, n, stop].append(tokens / (time.perf_counter() - t))
                 llm.collective_rpc("eagle_remove")
-                assert not reports[0]["errors"] and len(reports[0]["written"]) == (0 if stop else args.prompts), reports
+                assert not reports[0]["errors"] and len(reports[0]["written"]) == (0 if stop else args.prompts), (
+                    reports[0]["errors"]
+                )
                 written[storage, n, stop] = sum(f.stat().st_size for f in (args.out / "hidden_states").iterdir())
                 peak = max(host_peak.get((storage, n, stop), 0), reports[0]["stats"]["host_peak_bytes"])
                 host_peak[storage, n, stop] = peak
@@ -403,10 +416,11 @@ def main() -> None:
     for r, v in by_run.items():
         each = [b / a for a, b in zip(plain, v)]
         ratio = f"{statistics.median(each):.3f} ({', '.join(f'{x:.3f}' for x in each)})"
-        share = f"{gbps(r) / statistics.median(disk):.2f}" if disk else "-"
+        share = f"{gbps(r) / statistics.median(disk):.2f}" if disk and not r[2] else "-"
+        rate = "-" if r[2] else f"{gbps(r):.2f}"
         print(
             f"| b: eagle-extract, {label(r)}{', synced' if args.sync else ''} | {stats(v)} | {ratio} | "
-            f"{gbps(r):.2f} | {share} | {host_peak[r] / 2**30:.2f} GiB |"
+            f"{rate} | {share} | {host_peak[r] / 2**30:.2f} GiB |"
         )
     if disk:
         spread = f"{statistics.median(disk):.2f} ({min(disk):.2f}-{max(disk):.2f})"

@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.throughput import disk_write_rate  # noqa: E402
+from eagle_extract.atomic import fsync  # noqa: E402
 from eagle_extract.files import safetensors_stream  # noqa: E402
 from eagle_extract.files.fp8 import to_fp8  # noqa: E402
 from eagle_extract.files.writer import BackgroundWriter, default_writer_threads  # noqa: E402
@@ -61,7 +62,12 @@ def with_save_file(write):
     from safetensors.torch import save_file
 
     ours = safetensors_stream.save
-    safetensors_stream.save = lambda path, tensors, metadata, start_disk: save_file(tensors, str(path), metadata)
+    def save(path, tensors, metadata, durable):
+        save_file(tensors, str(path), metadata)
+        if durable:
+            fsync(path)  # as write_atomically did before the rename
+
+    safetensors_stream.save = save
     try:
         return write()
     finally:
@@ -83,7 +89,9 @@ def main() -> None:
     if args.folder.exists() and any(args.folder.iterdir()):
         raise SystemExit(f"writer_vs_disk: {args.folder} is not empty: name a new folder (it is removed after)")
     threads = args.threads or default_writer_threads()
-    free = shutil.disk_usage(args.folder.parent if not args.folder.exists() else args.folder).free
+    if not args.folder.parent.is_dir():
+        raise SystemExit(f"writer_vs_disk: {args.folder.parent} does not exist")
+    free = shutil.disk_usage(args.folder.parent).free
     if args.gb * 1e9 > 0.8 * free:
         raise SystemExit(f"writer_vs_disk: --gb {args.gb:g} needs more than 80 % of the {free / 1e9:.1f} GB free")
 

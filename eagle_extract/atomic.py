@@ -30,7 +30,7 @@ def write_atomically(path: Path, save: Callable[[Path], None], nbytes: int = 0, 
         os.replace(tmp, path)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        if isinstance(exc, Exception) and is_disk_full(exc):
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             raise OSError(errno.ENOSPC, disk_full_message(path, nbytes)) from None
         raise
 
@@ -69,13 +69,6 @@ def read_record(path: Path, fix: str) -> dict:
 
 class RecordError(ExtractError, ValueError):
     """An unreadable record: the line names the file and what to do."""
-
-
-def is_disk_full(exc: Exception) -> bool:
-    """ENOSPC as an OSError, or inside a library's error that carries only the text (safetensors' did)."""
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return True
-    return "No space left on device" in str(exc) or "os error 28" in str(exc)
 
 
 def disk_full_message(path: Path, nbytes: int) -> str:

@@ -345,8 +345,8 @@ class EngineLoop(threading.Thread):
             jobs = [job for job in self._parked if not job.retried][: self.batch_size] or self._parked[:1]
             for job in jobs:
                 self._parked.remove(job)
+                self.redone += not job.retried  # rows, not runs: a row run again alone after its batch counts once
                 job.retried = True
-            self.redone += len(jobs)
             self._start(engine, jobs)
             while self._running:
                 self._step(engine)

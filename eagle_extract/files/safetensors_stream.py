@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -33,14 +34,15 @@ DTYPES = {
 }
 RANK = {dtype: rank for rank, dtype in enumerate(DTYPES)}
 CHUNK = 8 << 20
+MAX_HEADER = 100_000_000  # safetensors' readers refuse a longer header
 SYNC_FILE_RANGE_WRITE = 2  # start writing the range back, do not wait (linux/fs.h)
 
 
 def _sync_file_range():
     """Linux's sync_file_range from the C library, or None where there is none."""
     try:
-        call = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
+        call = ctypes.CDLL(None).sync_file_range
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows has no CDLL(None)
         return None
     call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     return call
@@ -50,22 +52,21 @@ _sync_range = _sync_file_range()
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Have the kernel start writing these bytes to the disk now, without waiting for it; advisory (a
-    filesystem may refuse, and where the call is missing nothing happens), so an fsync must still follow."""
+    """Have the kernel start writing these bytes (nbytes > 0) to the disk now, without waiting for it;
+    advisory (a filesystem may refuse, and where the call is missing nothing happens), so an fsync must follow."""
     if _sync_range is not None:
         _sync_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
 
 
-def ordered(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """The names in file order, as safetensors lays them out."""
-    return sorted(tensors, key=lambda name: (-RANK.get(tensors[name].dtype, 0), name))
-
-
-def header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> bytes:
-    """The length prefix and the padded JSON header for `tensors` laid out in `ordered` order."""
+def header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> tuple[bytes, list[str]]:
+    """The length prefix and the padded JSON header, and the tensors' names in file order; refuses what the
+    format cannot hold before anything is written."""
+    if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("safetensors metadata values must be strings")
+    names = sorted(tensors, key=lambda name: (-RANK.get(tensors[name].dtype, 0), name))  # safetensors' order
     entries: dict[str, object] = {} if metadata is None else {"__metadata__": metadata}
     offset = 0
-    for name in ordered(tensors):
+    for name in names:
         t = tensors[name]
         if t.dtype not in DTYPES:
             raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name here")
@@ -75,30 +76,28 @@ def header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) ->
         offset += t.nbytes
     text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text
+    if len(text) > MAX_HEADER:
+        raise ValueError(f"a safetensors header of {len(text):,} bytes is longer than its readers take")
+    return len(text).to_bytes(8, "little") + text, names
 
 
-def save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, start_disk: bool) -> None:
-    """Write `tensors` (contiguous, on the host) to `path` from their own memory, no copy made; with
-    `start_disk` each chunk's writeback is started behind it (the caller fsyncs)."""
-    head = header(tensors, metadata)  # checks every tensor before the file is made
+def save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, durable: bool) -> None:
+    """Write `tensors` (contiguous, on the host) to `path` from their own memory, no copy made.  `durable`: the
+    disk is started on each whole CHUNK of the file as soon as it is written (never on a page still to be
+    written), and the file is fsynced before it is closed."""
+    head, names = header(tensors, metadata)
+    parts = [memoryview(head)] + [memoryview(tensors[n].reshape(-1).view(torch.uint8).numpy()) for n in names]
     with open(path, "wb", buffering=0) as f:
-        done = _write_all(f, memoryview(head), 0, False)
-        for name in ordered(tensors):
-            t = tensors[name]
-            if t.numel():
-                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                done = _write_all(f, data, done, start_disk)
-
-
-def _write_all(f, data: memoryview, at: int, start_disk: bool) -> int:
-    """Write `data` at file position `at` in chunks; returns the position after it."""
-    for first in range(0, len(data), CHUNK):
-        chunk = data[first : first + CHUNK]
-        size = len(chunk)
-        while chunk:
-            chunk = chunk[f.write(chunk) :]
-        at += size
-        if start_disk:
-            start_writeback(f.fileno(), at - size, size)
-    return at
+        written = started = 0
+        for part in parts:
+            for first in range(0, len(part), CHUNK):
+                chunk = part[first : first + CHUNK]
+                while chunk:
+                    n = f.write(chunk)
+                    chunk, written = chunk[n:], written + n
+                whole = written // CHUNK * CHUNK
+                if durable and whole > started:
+                    start_writeback(f.fileno(), started, whole - started)
+                    started = whole
+        if durable:
+            os.fsync(f.fileno())  # on this descriptor: an error of the writeback started above is reported here

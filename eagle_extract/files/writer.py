@@ -52,7 +52,7 @@ def write_hidden_states(
     nbytes = sum(t.nbytes for t in tensors.values())
     meta = row_metadata(tensors, layer_ids)
     path = hidden_state_path(output, index)
-    write_atomically(path, lambda tmp: safetensors_stream.save(tmp, tensors, meta, durable), nbytes, durable=durable)
+    write_atomically(path, lambda tmp: safetensors_stream.save(tmp, tensors, meta, durable), nbytes)  # save fsyncs
 
 
 def write_legacy(
