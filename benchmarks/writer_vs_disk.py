@@ -11,8 +11,9 @@ throughput.py's probe). --with-save-file adds the bf16 rows written the way eagl
 until 2026-12-04: the same writer, each file by safetensors' own `save_file` (whole, then fsynced). Every
 variant is timed until `os.sync()` returns, so the page cache cannot flatter it, and the order rotates between
 repetitions. No engine: this isolates the writer, which an extraction's b/a figure mixes with the GPU's
-ramp at the start and the last rows' tail. Prints each variant's GB/s and the writer's share of the disk
-(median of per-repetition ratios).
+ramp at the start and the last rows' tail. The disk probe runs once first, uncounted: on a shared virtual disk
+the first variant of every run was slow, whichever it was. Prints each variant's GB/s and the writer's share of
+the disk (median of per-repetition ratios).
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def main() -> None:
     if not args.with_save_file:
         del variants["bf16 rows, safetensors' save_file"]
     rates: dict[str, list[float]] = {name: [] for name in variants}
+    warm = disk_write_rate(args.folder, int(args.gb * 1e9), threads)  # untimed: a run's first pass was always slow
+    print(f"warm-up: disk {warm:.2f} GB/s (not counted)", file=sys.stderr, flush=True)
     order = list(variants)
     for rep in range(args.reps):
         for name in order[rep % len(order) :] + order[: rep % len(order)]:
