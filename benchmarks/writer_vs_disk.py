@@ -4,8 +4,8 @@
         [--hidden 7168] [--threads 0] [--with-save-file] [--json PATH]
 
 Each repetition writes about --gb of rows with eagle-extract's own `BackgroundWriter` (checksum, fsync,
-rename: what an extraction's worker does with a finished row), once as bf16 rows and once as FP8 rows
-already quantised (as the capture hands them over on a GPU), and measures the disk with as many files
+rename: what an extraction's worker does with a finished row), once as bf16 rows and once as twice as many FP8
+rows, already quantised (as the capture hands them over on a GPU), and measures the disk with as many files
 written side by side as writer threads (64 MiB blocks, each started on the disk as written, fsynced:
 throughput.py's probe). --with-save-file adds the bf16 rows written the way eagle-extract wrote them
 until 2026-12-04: the same writer, each file by safetensors' own `save_file` (whole, then fsynced). Every
@@ -63,6 +63,7 @@ def with_save_file(write):
     from safetensors.torch import save_file
 
     ours = safetensors_stream.save
+
     def save(path, tensors, metadata, durable):
         save_file(tensors, str(path), metadata)
         if durable:
@@ -78,7 +79,7 @@ def with_save_file(write):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--folder", type=Path, required=True, help="on the disk to measure; emptied and removed")
-    ap.add_argument("--gb", type=float, default=24.0, help="bytes of bf16 rows per repetition (FP8: half)")
+    ap.add_argument("--gb", type=float, default=24.0, help="GB of rows per variant and repetition (FP8: twice the rows)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per row")
     ap.add_argument("--slots", type=int, default=4)
@@ -107,7 +108,7 @@ def main() -> None:
 
     variants = {
         "bf16 rows": lambda: write_rows(args.folder, bf16, token_ids, count, threads, False),
-        "FP8 rows": lambda: write_rows(args.folder, fp8, token_ids, count, threads, True),
+        "FP8 rows": lambda: write_rows(args.folder, fp8, token_ids, 2 * count, threads, True),  # the same bytes
         "bf16 rows, safetensors' save_file": lambda: with_save_file(
             lambda: write_rows(args.folder, bf16, token_ids, count, threads, False)
         ),
@@ -126,7 +127,8 @@ def main() -> None:
     shutil.rmtree(args.folder, ignore_errors=True)
 
     share = {name: [w / d for w, d in zip(rates[name], rates["disk"])] for name in rates if name != "disk"}
-    print(f"\n{count} rows of [{args.tokens}, {args.slots}, {args.hidden}] per repetition, {threads} writer threads")
+    shape = f"[{args.tokens}, {args.slots}, {args.hidden}]"
+    print(f"\n{count} bf16 rows ({2 * count} FP8) of {shape} per variant and repetition, {threads} writer threads")
     print("| variant | GB/s median (min-max) | of the disk's, median (per rep) |\n|---|---|---|")
     for name, values in rates.items():
         ratio = (
@@ -137,6 +139,7 @@ def main() -> None:
         print(f"| {name} | {statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f}) | {ratio} |")
     if args.json:
         figures = {
+            "warm_up_disk_GBps": warm,
             "rows_per_rep": count,
             "row_shape": [args.tokens, args.slots, args.hidden],
             "threads": threads,

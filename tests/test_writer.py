@@ -80,9 +80,19 @@ def test_the_disk_is_started_on_whole_chunks_only_and_the_file_fsynced(tmp_path,
     still to be written never is), then the file is fsynced; not durable (the server's spool): neither."""
     import os
 
+    real_range = safetensors_stream._sync_range
+    if real_range is not None:  # the C library's call as declared: 0 on a real file
+        with open(tmp_path / "probe", "wb") as f:
+            f.write(b"x" * 8192)
+            assert real_range(f.fileno(), 0, 8192, safetensors_stream.SYNC_FILE_RANGE_WRITE) == 0
     started, synced = [], []
     monkeypatch.setattr(safetensors_stream, "CHUNK", 64)
-    monkeypatch.setattr(safetensors_stream, "_sync_range", lambda fd, at, n, flags: started.append((at, n, flags)))
+
+    def sync_range(fd, at, n, flags):  # only bytes already written: the file is at least this long
+        assert at + n <= os.fstat(fd).st_size
+        started.append((at, n, flags))
+
+    monkeypatch.setattr(safetensors_stream, "_sync_range", sync_range)
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
     tensors = {"hidden_states": torch.randn(7, 3, 5), "token_ids": torch.arange(7)}  # 420 + 56 bytes of data

@@ -161,20 +161,21 @@ def _name_by_index(
             f"{len(missing)} rows have no hidden-state file (first: row {missing[0]}, source row {row}); {fix}"
         )
     moves = [(r, i) for i, r in enumerate(source) if r in by_row]
-    if not moves:
-        return
 
     def move(part: list[tuple[int, int]]) -> None:
         for row, index in part:
             os.replace(hidden_state_path(folder, row, legacy), hidden_state_path(output, index, legacy))
 
-    (output / HIDDEN_DIR).mkdir(exist_ok=True)
+    names = output if legacy else output / HIDDEN_DIR
     try:
-        with ThreadPoolExecutor(RENAMERS) as pool:  # a slice each: a future per file costs more than a rename
-            list(pool.map(move, [moves[k::RENAMERS] for k in range(RENAMERS)]))
-        fsync(output if legacy else output / HIDDEN_DIR)  # the new names on the disk before the manifest
+        if moves:
+            (output / HIDDEN_DIR).mkdir(exist_ok=True)
+            with ThreadPoolExecutor(RENAMERS) as pool:  # a slice each: a future per file costs more than a rename
+                list(pool.map(move, [moves[k::RENAMERS] for k in range(RENAMERS)]))
+        if names.is_dir():  # the rows' names (renamed here, or by the writers as they went) on the disk first
+            fsync(names)
     except OSError as exc:
-        raise ExtractError(f"renaming the shards' row files in {output}: {exc.strerror or exc}; {finish}") from None
+        raise ExtractError(f"naming the row files in {output}: {exc.strerror or exc}; {finish}") from None
 
 
 def _write_skip_report(output: Path, rows: DatasetRows, skipped: int) -> None:
