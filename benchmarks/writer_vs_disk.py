@@ -1,14 +1,16 @@
 """The row writer alone against the disk's own fsynced rate, in one folder, alternated.
 
     python benchmarks/writer_vs_disk.py --folder DIR [--gb 24] [--reps 3] [--tokens 2048] [--slots 4]
-        [--hidden 7168] [--threads 0] [--with-save-file] [--json PATH]
+        [--hidden 7168] [--threads 0] [--with-save-file] [--without-fsync] [--json PATH]
 
 Each repetition writes about --gb of rows with eagle-extract's own `BackgroundWriter` (checksum, fsync,
 rename: what an extraction's worker does with a finished row), once as bf16 rows and once as twice as many FP8
 rows, already quantised (as the capture hands them over on a GPU), and measures the disk with as many files
 written side by side as writer threads (64 MiB blocks, each started on the disk as written, fsynced:
 throughput.py's probe). --with-save-file adds the bf16 rows written the way eagle-extract wrote them
-until 2026-12-04: the same writer, each file by safetensors' own `save_file` (whole, then fsynced). Every
+until 2026-12-04: the same writer, each file by safetensors' own `save_file` (whole, then fsynced);
+--without-fsync adds the bf16 rows with no fsync of their own (what the per-row fsyncs cost: the page cache
+is flushed by the variant's os.sync alone). Every
 variant is timed until `os.sync()` returns, so the page cache cannot flatter it, and the order rotates between
 repetitions. No engine: this isolates the writer, which an extraction's b/a figure mixes with the GPU's
 ramp at the start and the last rows' tail. The disk probe runs once first, uncounted: on a shared virtual disk
@@ -39,12 +41,15 @@ from eagle_extract.files.writer import BackgroundWriter, default_writer_threads 
 from eagle_extract.worker.hostmem import ByteBudget, Held, Rows  # noqa: E402
 
 
-def write_rows(folder: Path, rows: Rows, token_ids: list[int], count: int, threads: int, fp8: bool) -> float:
+def write_rows(
+    folder: Path, rows: Rows, token_ids: list[int], count: int, threads: int, fp8: bool, durable: bool = True
+) -> float:
     """GB/s of `count` copies of `rows` written by the writer, timed until os.sync() returns."""
     shutil.rmtree(folder, ignore_errors=True)
     os.sync()  # the last variant's deletions are not charged to this one
     t = time.perf_counter()
-    writer = BackgroundWriter(folder, fp8=fp8, threads=threads, layer_ids=list(range(rows.states.shape[1])))
+    slots = list(range(rows.states.shape[1]))
+    writer = BackgroundWriter(folder, fp8=fp8, threads=threads, layer_ids=slots, durable=durable)
     for index in range(count):
         writer.submit(index, rows, token_ids)
     report = writer.drain()
@@ -79,13 +84,16 @@ def with_save_file(write):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--folder", type=Path, required=True, help="on the disk to measure; emptied and removed")
-    ap.add_argument("--gb", type=float, default=24.0, help="GB of rows per variant and repetition (FP8: twice the rows)")
+    ap.add_argument("--gb", type=float, default=24.0, help="GB of rows per variant and repetition (FP8: 2x rows)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per row")
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=7168, help="Kimi-K2.5's width by default")
     ap.add_argument("--threads", type=int, default=0, help="writer threads, 0 for eagle-extract's default")
     ap.add_argument("--with-save-file", action="store_true", help="also the rows written by safetensors' save_file")
+    ap.add_argument(
+        "--without-fsync", action="store_true", help="also the bf16 rows without their fsyncs (the run's os.sync only)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.folder.exists() and any(args.folder.iterdir()):
@@ -112,10 +120,15 @@ def main() -> None:
         "bf16 rows, safetensors' save_file": lambda: with_save_file(
             lambda: write_rows(args.folder, bf16, token_ids, count, threads, False)
         ),
+        "bf16 rows without their fsyncs": lambda: write_rows(
+            args.folder, bf16, token_ids, count, threads, False, durable=False
+        ),
         "disk": lambda: disk_write_rate(args.folder, int(args.gb * 1e9), threads),
     }
     if not args.with_save_file:
         del variants["bf16 rows, safetensors' save_file"]
+    if not args.without_fsync:
+        del variants["bf16 rows without their fsyncs"]
     rates: dict[str, list[float]] = {name: [] for name in variants}
     warm = disk_write_rate(args.folder, int(args.gb * 1e9), threads)  # untimed: a run's first pass was always slow
     print(f"warm-up: disk {warm:.2f} GB/s (not counted)", file=sys.stderr, flush=True)
