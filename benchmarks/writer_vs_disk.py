@@ -10,12 +10,11 @@ written side by side as writer threads (64 MiB blocks, each started on the disk 
 throughput.py's probe). --with-save-file adds the bf16 rows written the way eagle-extract wrote them
 until 2026-12-04: the same writer, each file by safetensors' own `save_file` (whole, then fsynced);
 --without-fsync adds the bf16 rows with no fsync of their own (what the per-row fsyncs cost: the page cache
-is flushed by the variant's os.sync alone). Every
-variant is timed until `os.sync()` returns, so the page cache cannot flatter it, and the order rotates between
-repetitions. No engine: this isolates the writer, which an extraction's b/a figure mixes with the GPU's
-ramp at the start and the last rows' tail. The disk probe runs once first, uncounted: on a shared virtual disk
-the first variant of every run was slow, whichever it was. Prints each variant's GB/s and the writer's share of
-the disk (median of per-repetition ratios).
+is flushed by the variant's os.sync alone). Every variant is timed until `os.sync()` returns, so the page cache
+cannot flatter it, and the order rotates between repetitions. No engine: this isolates the writer, which an
+extraction's b/a figure mixes with the GPU's ramp at the start and the last rows' tail. The disk probe runs
+once first, uncounted: on a shared virtual disk the first variant of every run was slow, whichever it was.
+Prints each variant's GB/s and the writer's share of the disk (median of per-repetition ratios).
 """
 
 from __future__ import annotations

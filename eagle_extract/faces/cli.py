@@ -202,10 +202,11 @@ def _summarise(summary: api.Summary) -> None:
     model = shlex.quote(str(summary.model))
     online = ""
     if stateless:  # every row's states come from the server, which must capture them as this output would
-        fp8 = summary.manifest.get("storage_dtype") == "float8_e4m3fn"
-        click.echo(f"serve the states: {shlex.join(serve_args(summary.manifest))}")
+        serve = serve_args(summary.manifest)
+        click.echo(f"serve the states: {shlex.join(serve)}")
         port = ServeOptions.__dataclass_fields__["port"].default
-        online = f" --vllm-endpoint http://127.0.0.1:{port}/v1" + (" --hidden-states-backend fp8" if fp8 else "")
+        fp8 = " --hidden-states-backend fp8" if "--storage-dtype" in serve else ""  # the trainer reads what it serves
+        online = f" --vllm-endpoint http://127.0.0.1:{port}/v1{fp8}"
     click.echo(
         f"train on it: speculators train --verifier-name-or-path {model} --data-path {shlex.quote(str(output))} "
         f"--speculator-type eagle3 --target-layer-ids {ids}{online}"
