@@ -157,7 +157,21 @@ def _finish(proc, case: str, timeout=120):
 
 
 def _engine_processes(proc) -> list:
-    return [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("VLLM::")]
+    def named(p):
+        try:
+            return p.name().startswith("VLLM::")
+        except psutil.NoSuchProcess:
+            return False
+
+    return [p for p in psutil.Process(proc.pid).children(recursive=True) if named(p)]
+
+
+def _workers_once_started(proc) -> tuple[list, list]:
+    """The engine's processes and its workers, found before the rows come: on a 2-core CI machine the tiny
+    model's 24 rows take 0.75 s, less than finding them after the first row can take."""
+    _wait_for(lambda: any("Worker" in p.name() for p in _engine_processes(proc)))
+    engine = _engine_processes(proc)
+    return engine, [p for p in engine if "Worker" in p.name()]
 
 
 def _alive(processes) -> list:
@@ -174,15 +188,17 @@ def test_a_hung_engine_is_stopped_after_the_stall_timeout_and_leaves_no_process(
     tmp_path, tiny_llama, mixed_conversations
 ):
     """A stopped (SIGSTOP) worker is alive and makes no progress, as in a stalled collective."""
-    args = _tiny_args(tiny_llama, mixed_conversations, tmp_path / "o", "--batch-size", "1", "--stall-timeout", "8")
+    data = tmp_path / "long.jsonl"  # 20 times the rows, so the run cannot finish before its workers are stopped
+    data.write_text(mixed_conversations.read_text() * 20)
+    args = _tiny_args(tiny_llama, data, tmp_path / "o", "--batch-size", "1", "--stall-timeout", "8")
     before = set(Path(tempfile.gettempdir()).glob("eagle_extract_heartbeat.*"))
     proc = _start(args, tmp_path / "log")
+    engine, workers = _workers_once_started(proc)
     _wait_for(lambda: list((tmp_path / "o" / "hidden_states").glob("hs_*.safetensors")))
+    for worker in workers:
+        worker.suspend()
     beats = set(Path(tempfile.gettempdir()).glob("eagle_extract_heartbeat.*")) - before
     assert len(beats) == 1 and time.time() - beats.pop().stat().st_mtime < 30  # the workers touch it as they step
-    engine = _engine_processes(proc)
-    for worker in (p for p in engine if "Worker" in p.name()):
-        worker.suspend()
     case = (
         "the run makes no progress for `--stall-timeout` seconds (default 1800; a stalled collective, a hung GPU, "
         "a writer blocked on a network filesystem, which blocks the forward pass through the host-memory budget)"
@@ -279,10 +295,9 @@ def test_one_output_folder_through_a_failure_a_rival_a_dead_worker_a_power_cut_a
     try:
         _wait_for(lambda: (out / MAIN).exists() and (out / MAIN).read_text())
         rival = run_cli(*args, check=False)
+        engine, workers = _workers_once_started(first)
+        assert len(engine) > len(workers), [p.name() for p in engine]
         _wait_for(lambda: len(list((out / "hidden_states").glob("hs_*.safetensors"))) >= 4)
-        engine = _engine_processes(first)
-        workers = [p for p in engine if "Worker" in p.name()]
-        assert workers and len(engine) > len(workers), [p.name() for p in engine]
         workers[0].kill()  # ... which then loses a worker: reported, not waited for
         _finish(first, "a worker process dies")
         assert first.returncode == 1 and not _alive(engine)  # the engine core too: nothing is left holding GPUs
