@@ -9,6 +9,7 @@ import weakref
 
 import pytest
 import torch
+from datasets import Dataset
 from safetensors.torch import load_file
 
 from eagle_extract.files import safetensors_stream, writer
@@ -178,6 +179,26 @@ def test_full_disk_leaves_no_file_and_names_the_fix(tmp_path, monkeypatch):
         write_hidden_states(tmp_path, 0, torch.zeros(2, 2, 2), [1, 2])
     assert "\n" not in str(err.value)
     assert list((tmp_path / "hidden_states").iterdir()) == []
+
+
+def test_a_full_disk_under_torch_save_is_one_line_too(small_disk):
+    """The legacy rows and token_freq.pt go through torch.save, which given a path reports a full disk as
+    its own "unexpected pos"; a real full filesystem, no mock."""
+    (small_disk / "hidden_states").mkdir()
+    states = torch.zeros(300, 3, 4096)  # 14 MiB, twice: the second row does not fit in 16 MiB
+    writer.write_legacy(small_disk, 0, states, list(range(300)), [1] * 300)
+    with pytest.raises(OSError, match="disk full .* free space and rerun") as err:
+        writer.write_legacy(small_disk, 1, states, list(range(300)), [1] * 300)
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in small_disk.rglob("*")) == ["data_0.pt", "hidden_states"]  # nothing half-written
+    with pytest.raises(OSError, match="disk full .* free space and rerun"):
+        writer.write_dataset(small_disk, Dataset.from_dict({"input_ids": [[1]]}), {i: 1 for i in range(10**6)})
+    assert not list(small_disk.glob("*token_freq*"))
+    (small_disk / "data_0.pt").unlink()  # the dataset's own files do not fit either: datasets' own OSError
+    before = sorted(small_disk.iterdir())
+    with pytest.raises(OSError) as err:
+        writer.write_dataset(small_disk, Dataset.from_dict({"input_ids": [list(range(1000))] * 6000}), {})
+    assert err.value.errno == errno.ENOSPC and sorted(small_disk.iterdir()) == before  # its staging folder removed
 
 
 def _rows(states):

@@ -70,7 +70,20 @@ def write_legacy(
         "loss_mask": torch.tensor(loss_mask, dtype=torch.long),
     }
     sample[LEGACY_RECORD] = row_metadata(legacy_tensors(sample), layer_ids)
-    write_atomically(hidden_state_path(output, index, True), lambda tmp: torch.save(sample, tmp), hidden.nbytes, True)
+    write_atomically(hidden_state_path(output, index, True), lambda tmp: _torch_save(sample, tmp), hidden.nbytes, True)
+
+
+def _torch_save(obj, path: Path) -> None:
+    """torch.save through a file object, so a full disk raises the disk's own OSError (ENOSPC, which
+    write_atomically makes one line). Given a path, torch raises only its own "unexpected pos"; given a file,
+    it may still raise that while closing the archive after the OSError, which is then the cause."""
+    with open(path, "wb") as f:
+        try:
+            torch.save(obj, f)
+        except RuntimeError as exc:
+            if isinstance(exc.__context__, OSError):
+                raise exc.__context__ from None
+            raise
 
 
 def default_writer_threads() -> int:
@@ -193,4 +206,4 @@ def write_dataset(output: Path, rows, freq: dict[int, int]) -> None:
             os.replace(item, output / item.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    write_atomically(output / "token_freq.pt", lambda tmp: torch.save(freq, tmp), durable=True)
+    write_atomically(output / "token_freq.pt", lambda tmp: _torch_save(freq, tmp), durable=True)

@@ -5,6 +5,7 @@ last (or `merge`); and, for a repair, a complete output reopened as an unfinishe
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -72,7 +73,9 @@ def _complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerate
     try:
         write_dataset(output, rows.dataset(), rows.token_freq())
     except OSError as exc:
-        raise ExtractError(f"writing the dataset files in {output}: {exc.strerror or exc}; {finish}") from None
+        # a full disk reads the same whichever file it hit (token_freq.pt's own text names another fix)
+        why = os.strerror(exc.errno) if exc.errno == errno.ENOSPC else exc.strerror or exc
+        raise ExtractError(f"writing the dataset files in {output}: {why}; {finish}") from None
     extract_s = max(r["extract_s"] for r in runs)
     manifest = Manifest(
         format=LEGACY if cfg.legacy else OFFLINE,
