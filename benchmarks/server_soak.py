@@ -2,15 +2,16 @@
 threads and spool files of each of its processes, against the rows served.
 
     python benchmarks/server_soak.py --model PATH [--minutes 30] [--rows 4096] [--prompt-len 64] [--clients 4]
+        [--mooncake]
 
-A trainer pulls each row many times over days (speculators' loader asks again every epoch, since its client
-deletes each file once read). Anything the server keeps per request, and never lets go of, grows with the
-rows served: this measures that growth. `--clients` processes run speculators' own client (ArrowDataset and
-hs-connectors' FileTransfer, as in `online.py`) over the `--rows` distinct rows again and again until
-`--minutes` have passed; every `--every` seconds the server's process tree (the server, vLLM's engine core
-and worker) is sampled. Prints each sample and, per process, the growth of its resident memory in bytes per
-row served, fitted over the samples after the first fifth of the run (start-up and the allocator's
-warm-up left out). --json saves every sample.
+A trainer pulls each row many times over days (speculators' loader asks again every epoch, since its client deletes
+each file once read). Anything the server keeps per request, and never lets go of, grows with the rows served: this
+measures that growth. `--clients` processes run speculators' own client (ArrowDataset and hs-connectors'
+FileTransfer, as in `online.py`) over the `--rows` distinct rows again and again until `--minutes` have passed;
+every `--every` seconds the server's process tree (the server, vLLM's engine core and worker; with --mooncake,
+`serve --transfer mooncake` and its `mooncake_master` too) is sampled. Prints each sample and, per process, the
+growth of its resident memory in bytes per row served, fitted over the samples after the first fifth of the run
+(start-up and the allocator's warm-up left out). --json saves every sample.
 """
 
 from __future__ import annotations
@@ -31,16 +32,16 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
-from online import Serving, _client, _fetch, _ready, _rows  # noqa: E402 - the same client as online.py's
+from online import Master, Serving, _client, _fetch, _ready, _rows  # noqa: E402 - the same client as online.py's
 
 
-def _tree(proc: psutil.Process) -> dict[str, dict]:
+def _tree(proc: psutil.Process, master: psutil.Process | None) -> dict[str, dict]:
     """Each process of the server's tree by its title: resident memory, descriptors, threads."""
     got = {}
-    for p in [proc, *proc.children(recursive=True)]:
+    for p in [proc, *proc.children(recursive=True), *([master] if master else [])]:
         try:
             with p.oneshot():
-                name = "server" if p.pid == proc.pid else p.name()
+                name = {proc.pid: "server", getattr(master, "pid", None): "mooncake_master"}.get(p.pid) or p.name()
                 got[f"{name} ({p.pid})"] = {"rss": p.memory_info().rss, "fds": p.num_fds(), "threads": p.num_threads()}
         except psutil.Error:  # one that ended meanwhile
             pass
@@ -71,6 +72,8 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=30.0, help="seconds between samples")
     ap.add_argument("--spool", default=None, help="folder the server's spool goes in (default: a fresh temporary one)")
     ap.add_argument("--extra", nargs="*", default=[], help="further `eagle-extract serve` options")
+    ap.add_argument("--mooncake", action="store_true", help="serve through --transfer mooncake (loopback TCP)")
+    ap.add_argument("--mooncake-segment-gib", type=float, default=4.0, help="the server's Mooncake segment")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from datasets import Dataset
@@ -92,7 +95,14 @@ def main() -> None:
     ds.set_format("torch")
     ds.save_to_disk(str(datapath))
     args.extra = [*args.extra, "--stall-timeout", "0"]  # online.Serving's own options come from args
-    server = Serving(args, spool)
+    master = watched = None
+    if args.mooncake:
+        os.environ.setdefault("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")  # the server's and every client's
+        master = Master()
+        watched = psutil.Process(master.proc.pid)
+        mooncake = ("--transfer", "mooncake", "--mooncake-master", master.address,
+                    "--mooncake-global-segment-gib", str(args.mooncake_segment_gib))  # fmt: skip
+    server = Serving(args, spool, *(mooncake if master else ()))
     served = 0
     samples: list[dict] = []
     done = threading.Event()
@@ -100,7 +110,7 @@ def main() -> None:
     def sample() -> None:
         files, nbytes = _spool(spool)
         samples.append({"t": time.time() - t0, "rows": served, "spool_files": files, "spool_bytes": nbytes,
-                        "procs": _tree(psutil.Process(server.proc.pid))})  # fmt: skip
+                        "procs": _tree(psutil.Process(server.proc.pid), watched)})  # fmt: skip
         s = samples[-1]
         procs = s["procs"].items()
         mem = ", ".join(f"{k} {v['rss'] / 2**20:.0f} MiB {v['fds']} fds {v['threads']} thr" for k, v in procs)
@@ -111,7 +121,7 @@ def main() -> None:
             sample()
 
     try:
-        init = (str(datapath), server.port, args.model, args.prompt_len + 1, None)
+        init = (str(datapath), server.port, args.model, args.prompt_len + 1, master and master.address)
         with ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_client, initargs=init) as pool:  # fmt: skip
             unready = [why for why in pool.map(_ready, range(2 * args.clients)) if why]
@@ -132,6 +142,8 @@ def main() -> None:
             sample()
     finally:
         said = server.stop()
+        if master:
+            master.stop()
         print(f"server: {said}", flush=True)
 
     steady = [s for s in samples if s["t"] >= samples[-1]["t"] / 5]

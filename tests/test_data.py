@@ -137,21 +137,26 @@ def test_bad_rows_are_skipped_and_counted(tmp_path, tokenizer):
 
 
 def test_rows_the_tokenizer_or_the_json_parser_refuse_are_bad_rows(tmp_path, tokenizer):
-    """A lone surrogate the tokenizer refuses, a line nested past Python's recursion limit, a whole JSON list
-    nested so: the rows are skipped and named (a whole file is one line), not the run's failure."""
+    """A lone surrogate the tokenizer refuses, a line nested past Python's recursion limit or holding a number
+    of over 4,300 digits, a whole JSON list so: the rows are skipped and named (a whole file is one line), not the run's failure."""
     good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
     lone = {"messages": [{"role": "user", "content": "a\ud800b"}, {"role": "assistant", "content": "Hello"}]}
     path = tmp_path / "rows.jsonl"
-    path.write_text("\n".join([json.dumps(good), json.dumps(lone), "[" * 50000 + "]" * 50000, json.dumps(good)]))
+    huge = '{"input_ids": [' + "9" * 5000 + "]}"  # past Python's 4,300-digit limit on reading integers
+    path.write_text("\n".join([json.dumps(good), json.dumps(lone), "[" * 50000 + "]" * 50000, huge, json.dumps(good)]))
     samples, report = load_samples(path, tokenizer, seq_length=512)
-    assert [s.row for s in samples] == [0, 3]
+    assert [s.row for s in samples] == [0, 4]
     assert [(n, why.split(" (")[0]) for n, why in report.skipped] == [
         (1, "the tokenizer cannot encode this row"),
         (2, "JSON nested too deeply to read"),
+        (3, "a number too long to read"),
     ]
     whole = tmp_path / "rows.json"
     whole.write_text("[" * 50000 + "]" * 50000)
     with pytest.raises(DataError, match="nests JSON too deeply to read"):
+        load_samples(whole, tokenizer, seq_length=512)
+    whole.write_text("[" + huge + "]")
+    with pytest.raises(DataError, match=r"rows.json cannot be read as JSON \(.*4300.*\); fix the file"):
         load_samples(whole, tokenizer, seq_length=512)
 
 

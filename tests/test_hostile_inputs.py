@@ -10,6 +10,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,13 @@ def _cases(tmp, model):
     (tmp / "user-file" / "eagle_extract.json").write_text("{}")
     (tmp / "user-file" / "hidden_states" / "hs_0.safetensors").write_text("")
     (tmp / "user-file" / "hidden_states" / "notes.txt").write_text("mine")
+    (tmp / "user-parts" / ".pp_parts" / "layers_0-3" / "hidden_states").mkdir(parents=True)
+    (tmp / "user-parts" / "eagle_extract.json").write_text("{}")
+    (tmp / "user-parts" / ".pp_parts" / "layers_0-3" / "hidden_states" / "hs_0.safetensors").write_text("")
+    (tmp / "user-parts" / ".pp_parts" / "layers_0-3" / "notes.txt").write_text("mine")
+    (tmp / "regenerated").mkdir()
+    (tmp / "regenerated" / "eagle_extract.json").write_text("{}")
+    shutil.copy(DATA, tmp / "regenerated" / "regenerated.jsonl")
     long_row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "word " * 9000}]}
     for name in ("config.json", "model.safetensors"):
         (tmp / "no-tokenizer" / name).symlink_to(model / name)
@@ -190,6 +198,11 @@ def _cases(tmp, model):
         ("a saved dataset folder that lost its Arrow file", ["--data", str(tmp / "no-arrow")]),
         (f"{B}--overwrite{B} of an output with a file of someone else's in its hidden_states folder",
          ["--output", str(tmp / "user-file"), "--overwrite"]),  # fmt: skip
+        (f"{B}--overwrite{B} of an output with a file of someone else's in its shards or .pp_parts folder (deleted "
+         "whole too)", ["--output", str(tmp / "user-parts"), "--overwrite"]),  # fmt: skip
+        (f"{B}--overwrite{B} with {B}--data{B} inside the output, among the files that go with it (its "
+         f"{B}regenerated.jsonl{B} fed back in)", ["--data", str(tmp / "regenerated" / "regenerated.jsonl"),
+                                                  "--output", str(tmp / "regenerated"), "--overwrite"]),  # fmt: skip
         ("a layer id written with an underscore or in another script", ["--layers", "1_5"]),
         ("NaN where a number is expected", ["--temperature", "nan"]),
         (
@@ -275,6 +288,8 @@ def test_every_hostile_input_gets_the_one_line_docs_errors_md_gives(tmp_path, sm
     assert not leaked, leaked
     assert not (tmp_path / "out").exists()  # nothing was created for any of them
     assert (tmp_path / "user-file" / "hidden_states" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "user-parts" / ".pp_parts" / "layers_0-3" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "regenerated" / "regenerated.jsonl").read_text() == Path(DATA).read_text()
     unmet = set(documented) - {case for case, _ in cases} - set(ELSEWHERE)
     assert not unmet, f"rows of docs/errors.md no test meets: {sorted(unmet)}"
     for case, test_file in ELSEWHERE.items():

@@ -158,6 +158,8 @@ def _text_rows(path: Path, gzipped: bool) -> Iterator[tuple[int, object]]:
             raise DataError(f"{path} is not valid JSON ({exc}); fix the file or convert it to JSONL") from None
         except RecursionError:
             raise DataError(f"{path} nests JSON too deeply to read; fix the file or convert it to JSONL") from None
+        except ValueError as exc:  # a number of over 4,300 digits (Python's limit)
+            raise DataError(f"{path} cannot be read as JSON ({exc}); fix the file or convert it to JSONL") from None
         yield from enumerate(rows)
         return
     with _open(path, gzipped) as f:
@@ -174,6 +176,8 @@ def _text_rows(path: Path, gzipped: bool) -> Iterator[tuple[int, object]]:
                 yield number, BadRow(f"malformed JSON line ({exc.msg} at column {exc.colno})")
             except RecursionError:
                 yield number, BadRow("JSON nested too deeply to read")
+            except ValueError:  # Python reads no integer of over 4,300 digits
+                yield number, BadRow("a number too long to read (over 4,300 digits)")
 
 
 def _file_rows(path: Path) -> Iterator[tuple[int, object]]:

@@ -239,21 +239,35 @@ _KEPT = {REPLACEMENT, REPLACED, f"{REPLACED}.tmp", LOG}  # not part of either ou
 
 
 ROW_NAME = re.compile(r"\.?hs_\d+\.safetensors(\.tmp)?")
+_WHOLE = {  # the folders --overwrite deletes whole, and the names eagle-extract writes in each (relative paths)
+    HIDDEN_DIR: ROW_NAME,
+    shards.SHARDS_DIR: re.compile(r"\.?\d+-of-\d+\.json(\.tmp)?"),
+    PARTS_DIR: re.compile(rf"layers_\d+-\d+/{HIDDEN_DIR}/{ROW_NAME.pattern}"),
+}
 
 
-def refuse_foreign_rows(output: Path) -> None:
-    """--overwrite replaces hidden_states/ whole: a file in it that is not a row of ours is refused first,
-    never deleted with it."""
-    folder = Path(output) / HIDDEN_DIR
-    if not folder.is_dir():
-        return
-    with os.scandir(folder) as entries:
-        foreign = next((e.name for e in entries if not ROW_NAME.fullmatch(e.name)), None)
-    if foreign:
-        raise ExtractError(
-            f"--overwrite: {folder / foreign} is not eagle-extract's, and --overwrite replaces {folder} whole; "
-            "move it out of that folder first"
-        )
+def refuse_foreign_files(output: Path, data: Path | None) -> None:
+    """--overwrite deletes hidden_states/, shards/ and .pp_parts/ whole, and every file of an eagle-extract
+    name: a file in those folders that is not eagle-extract's, or the run's own --data among what goes
+    (a regenerated.jsonl fed back in), is refused first, never deleted with them."""
+    output = Path(output)
+    if data is not None:
+        where, root = Path(os.path.realpath(data)), Path(os.path.realpath(output))
+        if where != root and where.is_relative_to(root) and _ours(root / where.relative_to(root).parts[0]):
+            raise ExtractError(
+                f"--overwrite: --data {data} is inside --output {output} and would be deleted with the old "
+                f"output; copy it out of {output} first and pass the copy"
+            )
+    for name, ours in _WHOLE.items():
+        folder = str(output / name)
+        for top, _, files in os.walk(folder):  # a million rows: names only, in the order the folder has them
+            below = "" if top == folder else os.path.relpath(top, folder).replace(os.sep, "/") + "/"
+            foreign = next((f for f in files if not ours.fullmatch(below + f)), None)
+            if foreign is not None:
+                raise ExtractError(
+                    f"--overwrite: {os.path.join(top, foreign)} is not eagle-extract's, and --overwrite replaces "
+                    f"{folder} whole; move it out of that folder first"
+                )
 
 
 def _clear(output: Path) -> None:

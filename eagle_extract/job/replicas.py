@@ -35,7 +35,7 @@ from .output import (
     identical_complete,
     log_name,
     prepare_output,
-    refuse_foreign_rows,
+    refuse_foreign_files,
     replace_complete,
     writing_folder,
 )
@@ -77,7 +77,7 @@ def run_replicas(cfg: ExtractConfig, log=print) -> dict:
         raise ExtractError("--dp cannot be combined with --shard or --regenerate")
     plan = make_plan(cfg)  # every input check once, before any engine starts
     if cfg.overwrite:
-        refuse_foreign_rows(Path(cfg.output))
+        refuse_foreign_files(Path(cfg.output), cfg.data)
     read, usable, _, ended = first_counts(first_chunks(plan, read_rows(cfg.data)))
     expected = expected_rows(cfg, read, usable, ended)
     output = Path(cfg.output)

@@ -39,7 +39,7 @@ def run(cfg: ExtractConfig, log=print) -> dict:
     plan = make_plan(cfg)
     output = Path(cfg.output)
     if cfg.overwrite:
-        out.refuse_foreign_rows(output)
+        out.refuse_foreign_files(output, cfg.data)
     if plan.shard is None and not cfg.overwrite and (output / shards.ROWS_DIR).is_dir():
         raise ExtractError(
             f"--output {output} holds the rows of an unfinished sharded run (--shard or --dp), named by source row; "
