@@ -137,8 +137,9 @@ def test_bad_rows_are_skipped_and_counted(tmp_path, tokenizer):
 
 
 def test_rows_the_tokenizer_or_the_json_parser_refuse_are_bad_rows(tmp_path, tokenizer):
-    """A lone surrogate the tokenizer refuses, a line nested past Python's recursion limit or holding a number
-    of over 4,300 digits, a whole JSON list so: the rows are skipped and named (a whole file is one line), not the run's failure."""
+    """A lone surrogate the tokenizer refuses, a line nested past Python's recursion limit or holding a
+    number of over 4,300 digits, a whole JSON list so: the rows are skipped and named (a whole file is one
+    line), not the run's failure."""
     good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
     lone = {"messages": [{"role": "user", "content": "a\ud800b"}, {"role": "assistant", "content": "Hello"}]}
     path = tmp_path / "rows.jsonl"
