@@ -19,6 +19,8 @@ from eagle_extract.errors import ExtractError
 from eagle_extract.job import output as out
 from eagle_extract.job.lock import MAIN, holding
 
+from .common import assert_documented
+
 IDENTITY = {"model": "m", "aux_layer_ids": [2, 15, 27]}
 
 
@@ -270,6 +272,51 @@ def test_merge_checks_the_recorded_settings_but_not_the_engine_arguments(tmp_pat
     assert make_plan(cfg, engine=False).identity["engine_args"] == {"no_such_arg": 1}
     with pytest.raises(ExtractError, match="--layers: id 99 is out of range"):
         make_plan(replace(cfg, layers="99"), engine=False)
+
+
+def test_merge_refuses_shards_of_other_settings_and_data_that_changed_or_went(tmp_path, smollm2):
+    """Shards run apart and copied into one folder were never compared with each other; nor is the data file
+    that merge reads again the one they ran on, unless checked."""
+    from eagle_extract.config import ExtractConfig
+    from eagle_extract.files import shards
+    from eagle_extract.job.completion import merge
+    from eagle_extract.job.plan import make_plan
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]})
+    )
+    out = tmp_path / "o"
+    out.mkdir()
+
+    def finished(k: int, layers: str) -> None:
+        cfg = ExtractConfig(model=str(smollm2), data=data, output=out, layers=layers, shard=f"{k}/2").resolved()
+        summary = {"shard": cfg.shard, "identity": make_plan(cfg, engine=False).identity, "config": cfg.record()}
+        shards.record_finished(out, (k, 2), summary)
+
+    finished(0, "2,3")
+    finished(1, "1")
+    cases = [
+        "the last shard (or `merge`) finds shards that ran with different options (run apart, then copied into "
+        "one folder)",
+        "`merge` finds the data file (or the model's files) changed since the shards ran",
+        "`merge` finds the shards' data file gone",
+    ]
+    with pytest.raises(ExtractError) as err:
+        merge(out)
+    assert "aux_layer_ids ([2, 3], then [1])" in str(err.value)
+    assert_documented("During the run", cases[0], f"Error: {err.value}")
+    finished(1, "2,3")
+    data.write_text(data.read_text() + "\n")
+    with pytest.raises(ExtractError) as err:
+        merge(out)
+    assert "the data_sha256 is not" in str(err.value)
+    assert_documented("During the run", cases[1], f"Error: {err.value}")
+    data.unlink()
+    with pytest.raises(ExtractError) as err:
+        merge(out)
+    assert_documented("During the run", cases[2], f"Error: {err.value}")
+    assert not (out / "eagle_extract.json").exists()
 
 
 def test_an_unreadable_record_is_one_line_naming_it_and_losing_no_row(tmp_path):

@@ -21,7 +21,7 @@ from ..files.writer import write_dataset
 from ..layers import CONVENTION, legacy_layer_ids
 from ..version import __version__
 from . import lock
-from .output import RUN_FILE, finish_run, remove_leftovers
+from .output import RUN_FILE, finish_run, identity_changes, remove_leftovers
 from .plan import Plan, make_plan
 
 SKIPPED = "skipped_rows.jsonl"
@@ -204,6 +204,11 @@ def complete_shard(plan: Plan, store: TokenStore, summary: dict, log) -> dict:
         log(f"shard {plan.cfg.shard} done; waiting for shard(s) {', '.join(f'{k}/{num}' for k in waiting) or 'none'}")
         return {**summary, "complete": False, "waiting_for": waiting}
     log(f"shard {plan.cfg.shard} done, and the last: completing the dataset")
+    try:
+        same_settings(output, [runs[k] for k in range(num)])
+    except ExtractError:
+        shards.release_completion(output)
+        raise
     return complete(plan, _shard_stores(output, num), [runs[k] for k in range(num)], None)
 
 
@@ -218,6 +223,22 @@ def _shard_stores(output: Path, num: int) -> list[TokenStore]:
             f"rerun that shard's command (--shard {cut[0]}/{num}): it finds its rows written and completes the output"
         )
     return stores
+
+
+def same_settings(output: Path, runs: list[dict]) -> None:
+    """Shards run elsewhere and copied into one folder were never compared: rows of other layers, another
+    model or other data cannot make one dataset."""
+    first = runs[0].get("identity")
+    for run in runs[1:]:
+        other = run.get("identity")
+        changed = identity_changes(first, other) if isinstance(first, dict) and isinstance(other, dict) else []
+        if changed:
+            key = changed[0]
+            raise ExtractError(
+                f"shards {runs[0].get('shard')} and {run.get('shard')} in {output} ran with a different {key} "
+                f"({first[key]!r}, then {other[key]!r}), so their rows cannot make one dataset; run every shard "
+                "with the same options (into an empty folder), then merge"
+            )
 
 
 def merge(output: Path) -> dict:
@@ -242,8 +263,21 @@ def _merge(output: Path) -> dict:
         raise ExtractError(
             f"shard(s) {names} of {output} have not finished; run them (--shard {missing[0]}/{num}), then merge again"
         )
+    same_settings(output, [runs[k] for k in range(num)])
     config = ExtractConfig.from_options(**{**summary["config"], "output": output})
+    if config.data is not None and not Path(config.data).is_file():
+        raise ExtractError(
+            f"merging {output} reads the shards' data file {config.data} again, and it is gone; put the same "
+            "file back at that path and merge again"
+        )
     plan = make_plan(config, engine=False)  # merging starts no engine: the shards checked its arguments
+    recorded = summary.get("identity")
+    changed = identity_changes(recorded, plan.identity) if isinstance(recorded, dict) else []
+    if changed:
+        raise ExtractError(
+            f"merging {output}: the {changed[0]} is not what the shards ran with (the data file or the model "
+            "changed since); put back what they ran with and merge again"
+        )
     shards.release_completion(output)  # an earlier completer that died left its lock
     stores = _shard_stores(output, num)
     shards.claim_completion(output)
