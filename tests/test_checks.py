@@ -4,6 +4,7 @@ writer's own functions (no engine)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -306,6 +307,34 @@ def test_verify_says_one_line_and_offers_no_repair_it_cannot_do(tmp_path):
     rc, lines = _verify_cli(out)
     assert rc == 1 and lines[-2].startswith("row 1: bytes changed") and "verify --repair" in lines[-1], lines
     assert lines[0].endswith("verify: 3/3 rows")  # plain progress where stderr is not a terminal
+
+
+def test_verify_names_what_is_not_a_file_and_never_waits_on_a_pipe(tmp_path):
+    """A pipe where a row file or token_freq.pt should be would block its reader for ever; a folder where the
+    manifest should be, or a token_freq.pt torch cannot read, is one line too, not a traceback."""
+    import subprocess
+    import sys
+
+    out, manifest = make_output(tmp_path)
+    hidden_state_path(out, 1).unlink()
+    os.mkfifo(hidden_state_path(out, 1))
+    (out / "token_freq.pt").write_bytes(b"PK\x03\x04 not a zip")
+    proc = subprocess.run([sys.executable, "-m", "eagle_extract", "verify", str(out)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "row 1: not a regular file (a folder, a pipe or a device)" in lines, lines
+    assert any(line.startswith("output: token_freq.pt unreadable (") for line in lines), lines
+    (out / "token_freq.pt").unlink()
+    os.mkfifo(out / "token_freq.pt")
+    proc = subprocess.run([sys.executable, "-m", "eagle_extract", "verify", str(out)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert "token_freq.pt not a regular file (a folder, a pipe or a device)" in proc.stderr, proc.stderr
+    (out / "eagle_extract.json").unlink()
+    (out / "eagle_extract.json").mkdir()
+    rc, lines = _verify_cli(out)
+    assert rc == 1 and len(lines) == 1 and lines[0].endswith("eagle_extract.json is not a regular file: restore it "
+                                                           "from a copy, or rerun the extraction with --overwrite"), lines
 
 
 def test_repair_refuses_an_earlier_manifest_before_deleting_anything(tmp_path):

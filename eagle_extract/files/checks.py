@@ -24,7 +24,7 @@ from ..layers import LayerError, legacy_layer_ids, parse_layer_ids
 from ..runlog import counting
 from .fp8 import FP8
 from .manifest import MANIFEST, OFFLINE, Manifest, ManifestError, read_manifest
-from .rowfile import HIDDEN_DIR, check_row, completed_rows, layer_ids_text
+from .rowfile import HIDDEN_DIR, NOT_A_FILE, check_row, completed_rows, layer_ids_text, unreadable
 from .shards import ROWS_DIR, SHARDS_DIR
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float8_e4m3fn": FP8}
@@ -227,10 +227,12 @@ def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None,
         for i in sorted(completed_rows(output, legacy))
         if i >= len(rows)
     ]
+    freq_path = output / "token_freq.pt"
     try:
-        freq = torch.load(output / "token_freq.pt")
-        if freq != {int(t): int(freq_now[t]) for t in torch.nonzero(freq_now).flatten()}:
+        if freq_path.exists() and not freq_path.is_file():
+            problems.append((None, f"token_freq.pt {NOT_A_FILE}"))  # a pipe would block torch.load for ever
+        elif torch.load(freq_path) != {int(t): int(freq_now[t]) for t in torch.nonzero(freq_now).flatten()}:
             problems.append((None, "token_freq.pt does not match the rows' loss-mask tokens"))
     except Exception as exc:
-        problems.append((None, f"token_freq.pt unreadable: {exc}"))
+        problems.append((None, f"token_freq.pt {unreadable(exc)}"))
     return problems

@@ -117,8 +117,14 @@ def read_manifest(output: Path) -> dict:
     """The manifest as a JSON object; a damaged or hand-broken one raises ManifestError (one line)."""
     path = Path(output) / MANIFEST
     fix = "restore it from a copy, or rerun the extraction with --overwrite"
+    if path.exists() and not path.is_file():  # a folder; a pipe would block its reader for ever
+        raise ManifestError(f"{path} is not a regular file: {fix}")
     try:
         manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ManifestError(f"{path} cannot be read ({exc.strerror or exc}): {fix}") from None
     except json.JSONDecodeError as exc:
         raise ManifestError(f"{path} is not valid JSON ({exc.msg}, line {exc.lineno} col {exc.colno}): {fix}") from None
     except UnicodeDecodeError:

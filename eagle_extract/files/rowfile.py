@@ -125,6 +125,8 @@ def header_problem(path: Path, tokens: int, slots: int, hidden: int, legacy: boo
     cut, emptied, its length other than its header says, or shapes other than the run's.  (Not the
     dtype: with --dtype auto the engine's may differ from the config's, which the identity holds.)"""
     try:
+        if not path.is_file():  # a pipe would block its reader for ever
+            return NOT_A_FILE
         size = path.stat().st_size
         if legacy:  # a torch.save zip: its directory, at the end, is the first thing a cut loses
             with zipfile.ZipFile(path) as archive:
@@ -151,6 +153,7 @@ def header_problem(path: Path, tokens: int, slots: int, hidden: int, legacy: boo
     return None
 
 
+NOT_A_FILE = "not a regular file (a folder, a pipe or a device)"
 NO_CHECKSUM = "its header records no checksum, which every row of this output's release carries"
 
 
@@ -164,6 +167,8 @@ def check_row(
     path = hidden_state_path(output, index, legacy)
     if not path.exists():
         return ("data file missing" if legacy else "hidden-state file missing"), None
+    if not path.is_file():  # a pipe would block its reader for ever
+        return NOT_A_FILE, None
     try:
         if legacy:
             sample = torch.load(path, weights_only=True)
@@ -175,7 +180,7 @@ def check_row(
             hs, tok = tensors["hidden_states"], tensors["token_ids"]
             scales = tensors[SCALES] if dtype == FP8 else None
     except Exception as exc:
-        return _unreadable(exc), None
+        return unreadable(exc), None
     layer_ids = meta.get(LAYER_IDS)
     if legacy:
         problem = _legacy_problem(row, states, ids, mask, slots, hidden, dtype)
@@ -221,7 +226,7 @@ def _offline_problem(input_ids, hs, tok, scales, slots: int, hidden: int, dtype)
     return None, hs
 
 
-def _unreadable(exc: Exception) -> str:
+def unreadable(exc: Exception) -> str:
     first = str(exc).splitlines()[0][:120] if str(exc).strip() else ""
     return f"unreadable ({type(exc).__name__}: {first})"
 
