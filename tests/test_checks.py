@@ -333,8 +333,8 @@ def test_verify_names_what_is_not_a_file_and_never_waits_on_a_pipe(tmp_path):
     (out / "eagle_extract.json").unlink()
     (out / "eagle_extract.json").mkdir()
     rc, lines = _verify_cli(out)
-    assert rc == 1 and len(lines) == 1 and lines[0].endswith("eagle_extract.json is not a regular file: restore it "
-                                                           "from a copy, or rerun the extraction with --overwrite"), lines
+    fix = "eagle_extract.json is not a regular file: restore it from a copy, or rerun the extraction with --overwrite"
+    assert rc == 1 and len(lines) == 1 and lines[0].endswith(fix), lines
 
 
 def test_repair_refuses_an_earlier_manifest_before_deleting_anything(tmp_path):
