@@ -15,11 +15,15 @@ class ExtractError(Exception):
     """A failure the user can act on; the message is one line and names the fix."""
 
 
+ROWS_KEPT = "every completed row is kept: fix the cause and rerun the same command to resume"
+
+
 @contextmanager
-def engine_errors(log_path=None):
+def engine_errors(log_path=None, advice: str = ROWS_KEPT):
     """Inside, anything but an ExtractError is the engine's failure, or (raised in eagle-extract's own
     code) eagle-extract's bug, said in one line; the traceback stays chained for the run's log, whose
-    path lets the line name what an engine process died of."""
+    path lets the line name what an engine process died of.  `advice` ends the line: what to do next (a
+    server keeps no rows; it is started again)."""
     try:
         yield
     except ExtractError:
@@ -29,11 +33,13 @@ def engine_errors(log_path=None):
             raise KeyboardInterrupt from exc
         if _raised_in_eagle_extract(exc):
             said = " ".join(str(exc).split())[:400] or "no message"
+            resumes = "every completed row is kept, and rerunning the same command resumes"
+            after = resumes if advice == ROWS_KEPT else advice
             raise ExtractError(
                 f"eagle-extract failed ({type(exc).__name__}: {said}): a bug, please report it with the traceback "
-                "in the run's log; every completed row is kept, and rerunning the same command resumes"
+                f"in the run's log; {after}"
             ) from exc
-        raise engine_failed(exc, log_path) from exc
+        raise engine_failed(exc, log_path, advice) from exc
 
 
 def _raised_in_eagle_extract(exc: Exception) -> bool:
@@ -43,7 +49,7 @@ def _raised_in_eagle_extract(exc: Exception) -> bool:
     return tb is not None and Path(__file__).parent in Path(tb.tb_frame.f_code.co_filename).parents
 
 
-def engine_failed(exc: Exception, log_path=None) -> ExtractError:
+def engine_failed(exc: Exception, log_path=None, advice: str = ROWS_KEPT) -> ExtractError:
     """The engine or a worker died: one line, and every completed row is kept.  A multi-line message
     (a pydantic ValidationError of vLLM's config names the field on its second line) is joined; where
     vLLM only points at "the root cause above", that cause is read from the run's log."""
@@ -52,10 +58,7 @@ def engine_failed(exc: Exception, log_path=None) -> ExtractError:
     what = f"{type(exc).__name__}: {said}"
     if _POINTER.search(said):
         what = _engine_process_error(log_path) or what
-    return ExtractError(
-        f"the vLLM engine failed ({what[:400]}); "
-        "every completed row is kept: fix the cause and rerun the same command to resume"
-    )
+    return ExtractError(f"the vLLM engine failed ({what[:400]}); {advice}")
 
 
 # vLLM's messages that name no cause but point at one logged before ("See root cause above", "See stack

@@ -123,3 +123,22 @@ def test_the_serve_command_printed_for_a_dataset_without_states_parses_back_to_i
     plain = cli.serve_args({**manifest, "storage_dtype": "bfloat16", "config": {"tp": 1, "pp": 1}})
     assert not {"--storage-dtype", "--tp", "--decoder-path", "--trust-remote-code", "--engine-arg",
                 "--max-num-batched-tokens"} & set(plain)  # fmt: skip
+
+
+def test_a_mistyped_command_line_is_one_line_naming_the_help_to_read():
+    """click's own usage error is four lines (the usage, a hint, a blank line, the error): here one, in a
+    real process, with click's exit status 2."""
+    import subprocess
+    import sys
+
+    for args, said, command in (  # `python -m eagle_extract` names itself so
+        (["--dtype", "garbage"], "Invalid value for '--dtype': 'garbage' is not one of", "extract"),
+        (["verify"], "Missing argument 'OUTPUT'.", "verify"),
+        (["serve", "--no-such-option"], "No such option '--no-such-option'", "serve"),
+    ):
+        proc = subprocess.run([sys.executable, "-m", "eagle_extract", *args], capture_output=True, text=True)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith(f"Error: {said}") and lines[0].endswith(f"eagle_extract {command} --help`)"), lines
+    proc = subprocess.run([sys.executable, "-m", "eagle_extract", "serve", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "--spool-ttl" in proc.stdout

@@ -344,6 +344,8 @@ def test_bad_server_options_get_one_line_before_the_engine(smollm2):
             "a spool bound below 1": ["--spool-bytes", "0"],
             "a TTL that is not a positive number": ["--spool-ttl", "nan"],
             "an empty API key": ["--api-key", ""],
+            "an API key an HTTP header cannot carry": ["--api-key", "a\nb"],
+            "an empty host (which would listen on every address)": ["--host", ""],
             "a spool that cannot be made": ["--spool", "/proc/x"],
             "a Mooncake master that does not answer": ["--transfer", "mooncake", "--mooncake-master",
                                                        f"127.0.0.1:{_free_port()}"],
@@ -356,6 +358,14 @@ def test_bad_server_options_get_one_line_before_the_engine(smollm2):
             assert proc.returncode == 1 and len(lines) == 1, (case, proc.stdout, proc.stderr)
             assert "starting the engine" not in proc.stdout
             assert_documented("The server", case, lines[0])
+    # a setting vLLM refuses once the engine starts: the server's own line, naming its log, which holds the rest
+    proc = run_cli("serve", "--model", str(smollm2), "--port", str(_free_port()), "--engine-arg", "max_num_seqs=0",
+                   check=False)  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "max_num_seqs" in lines[0], (proc.stdout, proc.stderr)
+    case = "the engine does not start (a setting vLLM refuses, weights it cannot load)"
+    assert_documented("The server", case, lines[0])
+    assert "ValidationError" in Path(lines[0].rpartition("(the run's log: ")[2].rstrip(")")).read_text()
 
 
 def test_a_file_going_into_the_mooncake_store_is_never_swept_as_uncollected(tmp_path):

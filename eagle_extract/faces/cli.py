@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from dataclasses import Field, fields
 from pathlib import Path
 from typing import get_args
@@ -61,6 +62,23 @@ class _ExtractByDefault(click.Group):
         if not args or args[0] not in self.commands:
             args = ["extract", *args]
         return super().parse_args(ctx, args)
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        """A mistyped command line is one line too (click's own adds the usage and a blank line before it)."""
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx else "eagle-extract"
+            click.echo(f"Error: {exc.format_message()} (see `{where} --help`)", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
 
 
 @click.group(cls=_ExtractByDefault, context_settings={"help_option_names": ["-h", "--help"]})

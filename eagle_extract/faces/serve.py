@@ -66,6 +66,17 @@ def check_serve_options(cfg: ExtractConfig, opts: ServeOptions) -> None:
     check_ranges(opts)
     if opts.api_key is not None and not opts.api_key.strip():
         raise ExtractError("--api-key is empty; give the bearer token clients send, or leave it out")
+    if opts.api_key is not None and not (opts.api_key.isascii() and opts.api_key.isprintable()
+                                         and opts.api_key == opts.api_key.strip()):  # fmt: skip
+        raise ExtractError(
+            "--api-key holds a character an HTTP header cannot carry (a control character such as a newline, "
+            "a non-ASCII one, or spaces at its ends); give the token alone"
+        )
+    if not opts.host.strip():
+        raise ExtractError(
+            "--host is empty, which would listen on every address; give the address to listen on (0.0.0.0 for "
+            "every one)"
+        )
     if opts.mooncake:
         opts.mooncake.check()
         if cfg.fp8:
@@ -650,7 +661,8 @@ def _serve(cfg: ExtractConfig, opts: ServeOptions, log, shape, aux_ids, tokenize
     watch = EngineWatch(cfg.stall_timeout or None, log_path)
     watch.advice = "the server stopped; its spool's files were removed"
     watch.cleanup = spool.clear
-    with RunLog(log_path, log) as run_log, engine_errors(log_path):
+    again = f"fix the cause and start the server again (the run's log: {log_path})"
+    with RunLog(log_path, log) as run_log, engine_errors(log_path, again):
         watch.note = run_log.note
         run_log.say(
             f"starting the engine: {cfg.model}, slots for layers {aux_ids + [shape.num_layers]}, "
