@@ -31,7 +31,7 @@ class ModelShape:
 def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
     from transformers import AutoConfig
 
-    if not Path(model).exists() and (Path(model).is_absolute() or model.startswith(".")):
+    if not Path(model).exists():  # a Hub name too: the engine and the run's identity need the folder
         raise ExtractError(
             f"--model {model}: no such folder; pass a local checkpoint folder (config.json, weights, tokenizer)"
         )
