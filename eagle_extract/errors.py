@@ -16,14 +16,15 @@ class ExtractError(Exception):
 
 
 ROWS_KEPT = "every completed row is kept: fix the cause and rerun the same command to resume"
+RESUMES = "every completed row is kept, and rerunning the same command resumes"
 
 
 @contextmanager
-def engine_errors(log_path=None, advice: str = ROWS_KEPT):
+def engine_errors(log_path=None, advice: str = ROWS_KEPT, after_bug: str = RESUMES):
     """Inside, anything but an ExtractError is the engine's failure, or (raised in eagle-extract's own
     code) eagle-extract's bug, said in one line; the traceback stays chained for the run's log, whose
-    path lets the line name what an engine process died of.  `advice` ends the line: what to do next (a
-    server keeps no rows; it is started again)."""
+    path lets the line name what an engine process died of.  `advice` and `after_bug` end the line: what to do
+    next (a server keeps no rows; it is started again)."""
     try:
         yield
     except ExtractError:
@@ -33,11 +34,9 @@ def engine_errors(log_path=None, advice: str = ROWS_KEPT):
             raise KeyboardInterrupt from exc
         if _raised_in_eagle_extract(exc):
             said = " ".join(str(exc).split())[:400] or "no message"
-            resumes = "every completed row is kept, and rerunning the same command resumes"
-            after = resumes if advice == ROWS_KEPT else advice
             raise ExtractError(
                 f"eagle-extract failed ({type(exc).__name__}: {said}): a bug, please report it with the traceback "
-                f"in the run's log; {after}"
+                f"in the run's log; {after_bug}"
             ) from exc
         raise engine_failed(exc, log_path, advice) from exc
 

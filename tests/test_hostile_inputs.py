@@ -92,6 +92,12 @@ def _cases(tmp, model):
     (tmp / "user-parts" / "eagle_extract.json").write_text("{}")
     (tmp / "user-parts" / ".pp_parts" / "layers_0-3" / "hidden_states" / "hs_0.safetensors").write_text("")
     (tmp / "user-parts" / ".pp_parts" / "layers_0-3" / "notes.txt").write_text("mine")
+    (tmp / "zero-layers").mkdir()
+    for f in model.iterdir():
+        if f.is_file() and f.name != "config.json":
+            (tmp / "zero-layers" / f.name).symlink_to(f)
+    config = json.loads((model / "config.json").read_text())
+    (tmp / "zero-layers" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 0}))
     (tmp / "regenerated").mkdir()
     (tmp / "regenerated" / "eagle_extract.json").write_text("{}")
     shutil.copy(DATA, tmp / "regenerated" / "regenerated.jsonl")
@@ -185,6 +191,8 @@ def _cases(tmp, model):
             "a sample longer than the model's context",
             ["--data", _rows(tmp / "long.jsonl", [ok, long_row]), "--seq-length", "10000"],
         ),
+        ("a model config with a count that is not positive (no layers, a negative context)",
+         ["--model", str(tmp / "zero-layers")]),  # fmt: skip
         ("output path that is a file", ["--output", str(tmp / "afile")]),
         ("unwritable output", ["--output", "/proc/eagle-extract-out"]),
         ("output folder holding someone else's files", ["--output", str(tmp / "foreign")]),

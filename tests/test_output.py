@@ -317,6 +317,37 @@ def test_merge_refuses_shards_of_other_settings_and_data_that_changed_or_went(tm
         merge(out)
     assert_documented("During the run", cases[2], f"Error: {err.value}")
     assert not (out / "eagle_extract.json").exists()
+    for k, layers in ((0, [2, 3]), (1, [1])):  # records of an earlier release: a tokenizer, no engine_args
+        path = out / "shards" / f"{k}-of-2.json"
+        record = json.loads(path.read_text())
+        record["identity"] = {**{n: v for n, v in record["identity"].items() if n != "engine_args"},
+                              "tokenizer": None, "aux_layer_ids": layers}  # fmt: skip
+        path.write_text(json.dumps(record))
+    with pytest.raises(ExtractError, match=r"ran with a different aux_layer_ids \(\[2, 3\], then \[1\]\)"):
+        merge(out)
+
+
+def test_overwrite_passes_what_eagle_extract_writes_and_refuses_what_it_does_not(tmp_path):
+    """What --dp, --pp and shards leave in the folders --overwrite deletes whole is eagle-extract's; a file of
+    the user's there, or --data among what goes, is refused before anything is deleted."""
+    output = tmp_path / "o"
+    for name in ("shards/0-of-2.json", "shards/0-of-2.log", "shards/.1-of-2.progress", "shards/.1-of-2.progress.tmp",
+                 "hidden_states/hs_0.safetensors", "hidden_states/.hs_1.safetensors.tmp",
+                 ".pp_parts/layers_0-3/hidden_states/hs_0.safetensors", ".eagle_extract_rows/data_7.pt",
+                 ".eagle_extract_rows/hidden_states/hs_7.safetensors", "regenerated.jsonl", "notes.txt"):  # fmt: skip
+        (output / name).parent.mkdir(parents=True, exist_ok=True)
+        (output / name).write_text("")
+    out.refuse_foreign_files(output, tmp_path / "data.jsonl")
+    out.refuse_foreign_files(output, output / "notes.txt")  # the user's, and kept: not among what goes
+    with pytest.raises(ExtractError, match="--data .*regenerated.jsonl is inside --output"):
+        out.refuse_foreign_files(output, output / "regenerated.jsonl")
+    with pytest.raises(ExtractError, match="is inside --output"):  # an unfinished run's dataset files go at once
+        out.refuse_foreign_files(output, output)
+    (output / "eagle_extract.json").write_text("{}")
+    out.refuse_foreign_files(output, output)  # a complete one's are replaced once the new output is whole
+    (output / ".eagle_extract_rows" / "hidden_states" / "mine.txt").write_text("")
+    with pytest.raises(ExtractError, match=r"mine.txt is not eagle-extract's, and --overwrite replaces .*rows whole"):
+        out.refuse_foreign_files(output, None)
 
 
 def test_an_unreadable_record_is_one_line_naming_it_and_losing_no_row(tmp_path):

@@ -662,7 +662,7 @@ def _serve(cfg: ExtractConfig, opts: ServeOptions, log, shape, aux_ids, tokenize
     watch.advice = "the server stopped; its spool's files were removed"
     watch.cleanup = spool.clear
     again = f"fix the cause and start the server again (the run's log: {log_path})"
-    with RunLog(log_path, log) as run_log, engine_errors(log_path, again):
+    with RunLog(log_path, log) as run_log, engine_errors(log_path, again, again):
         watch.note = run_log.note
         run_log.say(
             f"starting the engine: {cfg.model}, slots for layers {aux_ids + [shape.num_layers]}, "

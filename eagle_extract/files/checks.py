@@ -181,6 +181,9 @@ def find_problems(output: Path, progress: bool = True) -> list[tuple[int | None,
         return [(None, str(exc))]
     m, found = manifest_fields(manifest)
     problems: list[tuple[int | None, str]] = [(None, p) for p in found + consistency_problems(m) + model_problems(m)]
+    odd = next((p.name for p in output.glob("*.arrow") if not p.is_file()), None)
+    if odd:  # a pipe would block the dataset's reader for ever
+        return problems + [(None, f"Arrow dataset unreadable: {odd} is {NOT_A_FILE}")]
     try:
         rows = load_from_disk(str(output))
     except Exception as exc:

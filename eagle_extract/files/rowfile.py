@@ -113,6 +113,8 @@ def _read_header(path: Path, size: int) -> tuple[dict, int] | None:
 def header_dtype(output: Path, index: int) -> str | None:
     """The model dtype row `index`'s file holds its states in, from its header (None when unreadable)."""
     path = hidden_state_path(output, index)
+    if not path.is_file():  # a pipe would block its reader for ever
+        return None
     try:
         read = _read_header(path, path.stat().st_size)
         return SAFETENSORS_DTYPES.get(read[0]["hidden_states"]["dtype"]) if read else None

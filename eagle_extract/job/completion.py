@@ -231,7 +231,12 @@ def same_settings(output: Path, runs: list[dict]) -> None:
     first = runs[0].get("identity")
     for run in runs[1:]:
         other = run.get("identity")
-        changed = identity_changes(first, other) if isinstance(first, dict) and isinstance(other, dict) else []
+        if not (isinstance(first, dict) and isinstance(other, dict)):
+            continue
+        if "engine_args" not in first and "engine_args" not in other:  # both from an earlier release
+            changed = [k for k in other if k != "versions" and k in first and first[k] != other[k]]
+        else:  # identity_changes reads an earlier release's record (no engine_args) only as its first argument
+            changed = identity_changes(*((first, other) if "engine_args" in other else (other, first)))
         if changed:
             key = changed[0]
             raise ExtractError(
@@ -265,7 +270,7 @@ def _merge(output: Path) -> dict:
         )
     same_settings(output, [runs[k] for k in range(num)])
     config = ExtractConfig.from_options(**{**summary["config"], "output": output})
-    if config.data is not None and not Path(config.data).is_file():
+    if config.data is not None and not Path(config.data).exists():
         raise ExtractError(
             f"merging {output} reads the shards' data file {config.data} again, and it is gone; put the same "
             "file back at that path and merge again"
@@ -294,8 +299,12 @@ def reopen(output: Path, rows: list[int]) -> ExtractConfig:
             f"{output}'s manifest, from an earlier eagle-extract, records no run to repeat; rerun the "
             "extraction with --overwrite"
         )
-    for i in rows:
-        hidden_state_path(output, i, manifest.format == LEGACY).unlink(missing_ok=True)
+    paths = [hidden_state_path(output, i, manifest.format == LEGACY) for i in rows]
+    folder = next((p for p in paths if p.is_dir()), None)
+    if folder is not None:
+        raise ExtractError(f"{folder} is a folder, not a row file; move it away, then run the repair again")
+    for path in paths:
+        path.unlink(missing_ok=True)
     write_record(output / RUN_FILE, manifest.identity)  # the output is an unfinished run again ...
     (output / MANIFEST).unlink()  # ... and no longer looks complete
     return ExtractConfig.from_options(**{**manifest.config, "output": output, "shard": None})

@@ -241,19 +241,22 @@ _KEPT = {REPLACEMENT, REPLACED, f"{REPLACED}.tmp", LOG}  # not part of either ou
 ROW_NAME = re.compile(r"\.?hs_\d+\.safetensors(\.tmp)?")
 _WHOLE = {  # the folders --overwrite deletes whole, and the names eagle-extract writes in each (relative paths)
     HIDDEN_DIR: ROW_NAME,
-    shards.SHARDS_DIR: re.compile(r"\.?\d+-of-\d+\.json(\.tmp)?"),
+    shards.SHARDS_DIR: re.compile(r"\.?\d+-of-\d+\.(json|log|progress)(\.tmp)?"),  # --dp: its jobs' logs too
     PARTS_DIR: re.compile(rf"layers_\d+-\d+/{HIDDEN_DIR}/{ROW_NAME.pattern}"),
+    shards.ROWS_DIR: re.compile(rf"{HIDDEN_DIR}/{ROW_NAME.pattern}|\.?data_\d+\.pt(\.tmp)?"),
 }
 
 
 def refuse_foreign_files(output: Path, data: Path | None) -> None:
-    """--overwrite deletes hidden_states/, shards/ and .pp_parts/ whole, and every file of an eagle-extract
-    name: a file in those folders that is not eagle-extract's, or the run's own --data among what goes
-    (a regenerated.jsonl fed back in), is refused first, never deleted with them."""
+    """--overwrite deletes hidden_states/, shards/, .pp_parts/ and .eagle_extract_rows/ whole, and every file
+    of an eagle-extract name: a file in those folders that is not eagle-extract's, or the run's own --data
+    among what goes (a regenerated.jsonl fed back in), is refused first, never deleted with them."""
     output = Path(output)
     if data is not None:
         where, root = Path(os.path.realpath(data)), Path(os.path.realpath(output))
-        if where != root and where.is_relative_to(root) and _ours(root / where.relative_to(root).parts[0]):
+        unfinished = where == root and not (root / MANIFEST).exists()  # its dataset files go at once
+        inside = where != root and where.is_relative_to(root)
+        if unfinished or inside and _ours(root / where.relative_to(root).parts[0]):
             raise ExtractError(
                 f"--overwrite: --data {data} is inside --output {output} and would be deleted with the old "
                 f"output; copy it out of {output} first and pass the copy"

@@ -35,7 +35,7 @@ def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
         raise ExtractError(
             f"--model {model}: no such folder; pass a local checkpoint folder (config.json, weights, tokenizer)"
         )
-    if not (Path(model) / "config.json").is_file() and Path(model).exists():
+    if not (Path(model) / "config.json").is_file():
         raise ExtractError(
             f"--model {model}: folder has no config.json; point --model at a Hugging Face checkpoint folder"
         )
@@ -47,6 +47,12 @@ def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
             f"--model {model}: cannot read its config ({first}); pass a local checkpoint folder"
         ) from None
     text = config.get_text_config()
+    for key in ("num_hidden_layers", "hidden_size", "max_position_embeddings"):
+        value = getattr(text, key, None)
+        if (value is not None or key != "max_position_embeddings") and not (isinstance(value, int) and value > 0):
+            raise ExtractError(
+                f"--model {model}: its config gives {key} {value!r}, not a positive integer; fix its config.json"
+            )
     heads = getattr(text, "num_attention_heads", 1)
     dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None) or "bfloat16"
     return ModelShape(
