@@ -242,7 +242,7 @@ ROW_NAME = re.compile(r"\.?hs_\d+\.safetensors(\.tmp)?")
 _WHOLE = {  # the folders --overwrite deletes whole, and the names eagle-extract writes in each (relative paths)
     HIDDEN_DIR: ROW_NAME,
     shards.SHARDS_DIR: re.compile(r"\.?\d+-of-\d+\.(json|log|progress)(\.tmp)?"),  # --dp: its jobs' logs too
-    PARTS_DIR: re.compile(rf"layers_\d+-\d+/{HIDDEN_DIR}/{ROW_NAME.pattern}"),
+    PARTS_DIR: re.compile(rf"layers_\d+-\d+/({HIDDEN_DIR}/{ROW_NAME.pattern}|\.?data_\d+\.pt(\.tmp)?)"),
     shards.ROWS_DIR: re.compile(rf"{HIDDEN_DIR}/{ROW_NAME.pattern}|\.?data_\d+\.pt(\.tmp)?"),
 }
 
