@@ -233,10 +233,7 @@ def same_settings(output: Path, runs: list[dict]) -> None:
         other = run.get("identity")
         if not (isinstance(first, dict) and isinstance(other, dict)):
             continue
-        if "engine_args" not in first and "engine_args" not in other:  # both from an earlier release
-            changed = [k for k in other if k != "versions" and k in first and first[k] != other[k]]
-        else:  # identity_changes reads an earlier release's record (no engine_args) only as its first argument
-            changed = identity_changes(*((first, other) if "engine_args" in other else (other, first)))
+        changed = identity_changes(first, other)
         if changed:
             key = changed[0]
             raise ExtractError(

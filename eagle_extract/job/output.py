@@ -47,8 +47,9 @@ WARN_ONLY = ("versions",)  # identity keys a resumed run may change, told: other
 
 def identity_changes(previous: dict, identity: dict) -> list[str]:
     """The identity keys (but WARN_ONLY) whose values differ.  A key the previous record lacks (an earlier
-    eagle-extract's) is not compared, but for its `tokenizer`, which engine_args now holds."""
-    if "tokenizer" in previous and "engine_args" not in previous:  # an earlier release's record: its tokenizer only
+    eagle-extract's) is not compared, but for its `tokenizer`, which engine_args now holds (two earlier
+    records, two shards' say, compare their tokenizers as they are)."""
+    if "tokenizer" in previous and "engine_args" not in previous and "engine_args" in identity:
         args = {k: v for k, v in identity["engine_args"].items() if k != "tokenizer"}
         if previous["tokenizer"] is not None:
             args["tokenizer"] = previous["tokenizer"]

@@ -220,7 +220,7 @@ def _tokenizing(plan: Plan, store: TokenStore, answered: list | None, first: lis
     cfg, processes = plan.cfg, plan.cfg.tokenize_processes
     if processes is None:
         processes = stream.default_processes(0 if answered is not None else source_bytes(Path(cfg.data)), cfg.dp)
-    processes = min(processes, stream.usable_cores())  # each holds a tokenizer: more than the cores only cost memory
+    processes = min(processes, len(os.sched_getaffinity(0)))  # each holds a tokenizer: more only cost memory
     rows = answered if answered is not None else stream.job_rows(cfg, plan.shard)
     return stream.Tokenizing(store, rows, plan, processes, first)
 

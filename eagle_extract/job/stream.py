@@ -32,12 +32,7 @@ def default_processes(source_bytes: int, replicas: int = 1) -> int:
     four CPU cores (of this replica's share), 1 to 8: the engine's own processes need the rest."""
     if source_bytes < SMALL_SOURCE:
         return 0
-    return max(1, min(8, usable_cores() // (4 * replicas)))
-
-
-def usable_cores() -> int:
-    """The CPU cores this process may run on (a --dp replica's share, a container's limit)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, (os.cpu_count() or 1) // (4 * replicas)))
 
 
 _worker: dict = {}
