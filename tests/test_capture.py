@@ -42,7 +42,8 @@ def test_fp8_quantised_on_the_models_device_equals_the_hosts():
 
 def test_fp8_layout_is_speculators():
     """value = fp8 * scale with one float32 scale per token, scale = amax / 448 (an all-zero token keeps
-    a tiny positive scale); dequantised within half an fp8 step of the input."""
+    a tiny positive scale), the values the float32 quotient cast to FP8; dequantised within half an fp8 step of
+    the input."""
     torch.manual_seed(0)
     x = torch.randn(7, 4, 32, dtype=torch.bfloat16) * torch.logspace(-3, 3, 7).view(7, 1, 1).bfloat16()
     x[3] = 0
@@ -50,6 +51,7 @@ def test_fp8_layout_is_speculators():
     assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (7, 1, 1)
     amax = x.float().abs().flatten(1).max(1).values.view(7, 1, 1)
     assert torch.equal(scale, (amax / 448).clamp(min=1e-12))
+    assert torch.equal(q.view(torch.uint8), (x.float() / scale).to(torch.float8_e4m3fn).view(torch.uint8))
     back = q.float() * scale
     assert torch.all((back - x.float()).abs() <= amax * 2**-4 + 1e-30)
     assert torch.equal(q.float().abs().flatten(1).max(1).values[[0, 1, 2, 4, 5, 6]], torch.full((6,), 448.0))
