@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eagle_extract.files.fp8 import to_fp8
@@ -40,12 +41,14 @@ def test_fp8_quantised_on_the_models_device_equals_the_hosts():
     assert rows == 12 and equal == rows
 
 
-def test_fp8_layout_is_speculators():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_layout_is_speculators(dtype):
     """value = fp8 * scale with one float32 scale per token, scale = amax / 448 (an all-zero token keeps
-    a tiny positive scale), the values the float32 quotient cast to FP8; dequantised within half an fp8 step of
-    the input."""
+    a tiny positive scale), the values the float32 quotient cast to FP8, for a strided view too (a slot is
+    one); dequantised within half an fp8 step of the input."""
     torch.manual_seed(0)
-    x = torch.randn(7, 4, 32, dtype=torch.bfloat16) * torch.logspace(-3, 3, 7).view(7, 1, 1).bfloat16()
+    x = torch.randn(7, 32, 4, dtype=torch.float32).transpose(1, 2) * torch.logspace(-3, 3, 7).view(7, 1, 1)
+    x = x.to(dtype)
     x[3] = 0
     q, scale = to_fp8(x)
     assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (7, 1, 1)
@@ -70,7 +73,10 @@ def test_rows_the_engine_ran_without_a_match_and_steps_without_token_ids_are_cou
     embed, blocks = torch.nn.Embedding(100, 16), torch.nn.ModuleList(_ToyLayer(16) for _ in range(3))
     written = []
     capture = StepCapture(
-        DecoderStack("toy", blocks, blocks, 0, 3, embed), [0, 1], lambda i, rows, ids: written.append(i), ByteBudget(2**30)
+        DecoderStack("toy", blocks, blocks, 0, 3, embed),
+        [0, 1],
+        lambda i, rows, ids: written.append(i),
+        ByteBudget(2**30),
     )
     capture.install()
 

@@ -315,11 +315,8 @@ def refuse_other_runs(output: Path, identity: dict, shard: tuple[int, int] | Non
         changed = identity_changes(previous, identity)
         if changed:
             k = changed[0]
-            fix = (
-                "use the other shards' settings"
-                if shard
-                else "rerun with its settings to resume it (every row written is kept), or pass --overwrite to start over"
-            )
+            resume = "rerun with its settings to resume it (every row written is kept)"
+            fix = "use the other shards' settings" if shard else f"{resume}, or pass --overwrite to start over"
             raise ExtractError(
                 f"--output {output} holds an unfinished run with a different {k} "
                 f"({previous.get(k)!r}, now {identity[k]!r}); {fix}"
