@@ -92,6 +92,14 @@ def _cases(tmp, model):
     (tmp / "user-parts" / "eagle_extract.json").write_text("{}")
     (tmp / "user-parts" / ".pp_parts" / "layers_0-3" / "hidden_states" / "hs_0.safetensors").write_text("")
     (tmp / "user-parts" / ".pp_parts" / "layers_0-3" / "notes.txt").write_text("mine")
+    (tmp / "bad-template").mkdir()
+    for f in model.iterdir():  # the same tokenizer, its chat template cut short of a closing brace
+        if f.is_file() and f.name not in ("tokenizer_config.json", "chat_template.jinja"):
+            (tmp / "bad-template" / f.name).symlink_to(f)
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (tmp / "bad-template" / "tokenizer_config.json").write_text(json.dumps(settings))
+    (tmp / "bad-template" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }{% endfor %}")
     (tmp / "zero-layers").mkdir()
     for f in model.iterdir():
         if f.is_file() and f.name != "config.json":
@@ -137,6 +145,9 @@ def _cases(tmp, model):
         (f"a file named {B}.parquet{B} that is not Parquet", ["--data", str(tmp / "fake.parquet")]),
         ("a JSON list with bytes that are not UTF-8 past its first MiB", ["--data", str(tmp / "rows.json")]),
         ("a model folder without a tokenizer", ["--model", str(tmp / "no-tokenizer")]),
+        (f"a {B}--engine-arg tokenizer={B} folder without a tokenizer",
+         ["--engine-arg", f"tokenizer={tmp / 'no-tokenizer'}"]),  # fmt: skip
+        ("a chat template that does not parse", ["--model", str(tmp / "bad-template")]),
         ("a model folder without weights", ["--model", str(tmp / "no-weights")]),
         ("a sharded checkpoint missing some of its files", ["--model", str(tmp / "sharded")]),
         *[

@@ -40,9 +40,17 @@ class LoadReport:
 
 
 def _apply_template(tokenizer, messages: list[dict], **options):
-    """The chat template's own errors (jinja2's, or what it raises for a row it refuses) are the row's."""
+    """The chat template's own errors (jinja2's, or what it raises for a row it refuses) are the row's,
+    except a template that does not parse, which no row can pass."""
+    from jinja2 import TemplateSyntaxError
+
     try:
         return tokenizer.apply_chat_template(messages, **options)
+    except TemplateSyntaxError as exc:
+        raise DataError(
+            f"the model's chat template does not parse (line {exc.lineno}: {exc.message}); fix chat_template in the "
+            "tokenizer's files (chat_template.jinja or tokenizer_config.json), or use pre-tokenized rows"
+        ) from None
     except Exception as exc:
         said = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "no message"
         raise BadRow(f"the chat template cannot render this row ({type(exc).__name__}: {said})") from None

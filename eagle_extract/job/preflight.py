@@ -95,14 +95,15 @@ def check_weights(cfg: ExtractConfig) -> None:
 def load_tokenizer(cfg: ExtractConfig):
     from transformers import AutoTokenizer
 
+    given = cfg.engine_args.get("tokenizer")  # the engine's own, when it is given one
     try:
-        source = cfg.engine_args.get("tokenizer") or cfg.model  # the engine's own, when it is given one
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        return AutoTokenizer.from_pretrained(given or cfg.model, trust_remote_code=cfg.trust_remote_code)
     except Exception as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         said = lines[-1][:200] if lines else type(exc).__name__
+        option = f"--engine-arg tokenizer={given}" if given else f"--model {cfg.model}"
         raise ExtractError(
-            f"--model {cfg.model}: cannot load its tokenizer ({type(exc).__name__}: {said}); the folder needs the "
+            f"{option}: cannot load its tokenizer ({type(exc).__name__}: {said}); the folder needs the "
             "model's tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json)"
         ) from None
 
