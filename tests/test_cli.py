@@ -127,7 +127,8 @@ def test_the_serve_command_printed_for_a_dataset_without_states_parses_back_to_i
 
 def test_a_mistyped_command_line_is_one_line_naming_the_help_to_read():
     """click's own usage error is four lines (the usage, a hint, a blank line, the error): here one, in a
-    real process, with click's exit status 2."""
+    real process, with click's exit status 2.  An empty path (an unset shell variable) is one too: it would
+    mean the current folder."""
     import subprocess
     import sys
 
@@ -135,6 +136,8 @@ def test_a_mistyped_command_line_is_one_line_naming_the_help_to_read():
         (["--dtype", "garbage"], "Invalid value for '--dtype': 'garbage' is not one of", "extract"),
         (["verify"], "Missing argument 'OUTPUT'.", "verify"),
         (["serve", "--no-such-option"], "No such option '--no-such-option'", "serve"),
+        (["--output", ""], "Invalid value for '--output': an empty path; name the file or folder", "extract"),
+        (["serve", "--spool", " "], "Invalid value for '--spool': an empty path; name the file or folder", "serve"),
     ):
         proc = subprocess.run([sys.executable, "-m", "eagle_extract", *args], capture_output=True, text=True)
         lines = proc.stderr.strip().splitlines()

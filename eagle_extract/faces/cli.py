@@ -33,6 +33,16 @@ def parse_engine_args(pairs: tuple[str, ...]) -> dict:
     return args
 
 
+class _NamedPath(click.Path):
+    """A path that is not empty: an unset shell variable (`--output "$OUT"`) would otherwise mean the
+    current folder."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail("an empty path; name the file or folder (. for the current one)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def click_option(f: Field, help: str | None = None):
     """A declared option (config.option) as click's decorator: a flag for a bool, repeatable KEY=VALUE pairs
     for the engine_args dict, else a value of the annotation's type."""
@@ -44,7 +54,7 @@ def click_option(f: Field, help: str | None = None):
     if kind is dict:
         return click.option(name, f.name, multiple=True, metavar=meta["metavar"],
                             callback=lambda ctx, param, pairs: parse_engine_args(pairs), help=help)  # fmt: skip
-    given = click.Choice(meta["choices"]) if meta["choices"] else click.Path(path_type=Path) if kind is Path else kind
+    given = click.Choice(meta["choices"]) if meta["choices"] else _NamedPath(path_type=Path) if kind is Path else kind
     shown = f.default is not None and not meta["shown"]  # else --help has the words already
     return click.option(name, f.name, type=given, default=f.default, show_default=shown, metavar=meta["metavar"],
                         help=help)  # fmt: skip
