@@ -68,7 +68,8 @@ def test_a_cached_smollm2_with_the_old_tokenizer_class_is_repaired_on_use(tmp_pa
     settings = json.loads((smollm2 / "tokenizer_config.json").read_text())
     (cached / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": "LlamaTokenizer"}))
     fast = json.loads((smollm2 / "tokenizer.json").read_text())
-    steps = [{"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}]
+    space = {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}
+    steps = [{"type": "ByteFallback"}, {"type": "Fuse"}, space]
     converted = {"type": "Sequence", "decoders": [*steps, fast["decoder"]]}  # the decoder as the conversion wrote it
     (cached / "tokenizer.json").write_text(json.dumps({**fast, "decoder": converted}))
     blocked = temporary_name(cached / "tokenizer_config.json")

@@ -148,6 +148,8 @@ def _cases(tmp, model):
         (f"a {B}--engine-arg tokenizer={B} folder without a tokenizer",
          ["--engine-arg", f"tokenizer={tmp / 'no-tokenizer'}"]),  # fmt: skip
         ("a chat template that does not parse", ["--model", str(tmp / "bad-template")]),
+        ("a chat template that does not parse", ["--model", str(tmp / "bad-template"), "--regenerate", "--data",
+                                                 _rows(tmp / "asked.jsonl", [{"turns": ["Why?"]}])]),  # fmt: skip
         ("a model folder without weights", ["--model", str(tmp / "no-weights")]),
         ("a sharded checkpoint missing some of its files", ["--model", str(tmp / "sharded")]),
         *[

@@ -153,7 +153,8 @@ def test_rerunning_a_complete_run_has_nothing_to_do_and_another_is_refused(tmp_p
     output = _complete(tmp_path / "o", "old")
     assert out.identical_complete(output, IDENTITY, overwrite=False)["rows"] == "old"
     assert out.identical_complete(output, IDENTITY, overwrite=True) is None
-    with pytest.raises(ExtractError, match="already holds a complete extraction with a different aux_layer_ids .*; pass --overwrite"):
+    said = "already holds a complete extraction with a different aux_layer_ids .*; pass --overwrite"
+    with pytest.raises(ExtractError, match=said):
         out.identical_complete(output, {**IDENTITY, "aux_layer_ids": [3]}, overwrite=False)
 
 

@@ -121,4 +121,5 @@ def test_replicas_tell_their_parent_their_rows_through_one_small_file_each(tmp_p
         share_progress(rows)
     files[2].with_suffix(".progress.tmp").write_text("9")  # a replica cut mid-write: its count is not yet whole
     assert shared_progress(files) == 1234
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".0-of-3.progress", ".1-of-3.progress", ".2-of-3.progress.tmp"]
+    left = [".0-of-3.progress", ".1-of-3.progress", ".2-of-3.progress.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == left

@@ -39,6 +39,34 @@ class LoadReport:
     skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
+def unparsed_template(tokenizer, exc) -> DataError:
+    """A chat template jinja2 cannot compile: no row can pass it, so it is the run's error, naming where the
+    template came from.  (jinja2's TemplateAssertionError, an unknown filter or tag, is one too: a template
+    written for a newer transformers or jinja2.)"""
+    said = " ".join(str(exc.message or "").split())[:200]
+    return DataError(
+        f"the chat template of {tokenizer.name_or_path} does not parse (line {exc.lineno}: {said}); fix "
+        "chat_template in its tokenizer files (chat_template.jinja or tokenizer_config.json) or update "
+        "transformers and jinja2 if it was written for newer ones, or use pre-tokenized rows"
+    )
+
+
+def check_template(tokenizer) -> None:
+    """Compile the chat template once, before any row: `unparsed_template` if it cannot be.  Rendering one user
+    message compiles it; what the template refuses about that message (roles, a system turn it wants) is left
+    to the real rows."""
+    from jinja2 import TemplateSyntaxError
+
+    if not getattr(tokenizer, "chat_template", None):
+        return
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    except TemplateSyntaxError as exc:
+        raise unparsed_template(tokenizer, exc) from None
+    except Exception:
+        pass
+
+
 def _apply_template(tokenizer, messages: list[dict], **options):
     """The chat template's own errors (jinja2's, or what it raises for a row it refuses) are the row's,
     except a template that does not parse, which no row can pass."""
@@ -47,10 +75,7 @@ def _apply_template(tokenizer, messages: list[dict], **options):
     try:
         return tokenizer.apply_chat_template(messages, **options)
     except TemplateSyntaxError as exc:
-        raise DataError(
-            f"the model's chat template does not parse (line {exc.lineno}: {exc.message}); fix chat_template in the "
-            "tokenizer's files (chat_template.jinja or tokenizer_config.json), or use pre-tokenized rows"
-        ) from None
+        raise unparsed_template(tokenizer, exc) from None
     except Exception as exc:
         said = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "no message"
         raise BadRow(f"the chat template cannot render this row ({type(exc).__name__}: {said})") from None

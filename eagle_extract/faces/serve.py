@@ -498,7 +498,8 @@ class Requests:
                 return_dict=False,
             )
         except Exception as exc:
-            raise BadRequest(f"messages: the chat template refused them ({type(exc).__name__}: {exc})") from None
+            said = " ".join(str(exc).split())[:300]  # jinja2's syntax errors add a line of their own
+            raise BadRequest(f"messages: the chat template refused them ({type(exc).__name__}: {said})") from None
         if isinstance(ids, dict):
             ids = ids["input_ids"]
         return self.checked(list(ids), "messages")

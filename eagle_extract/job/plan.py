@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..config import ExtractConfig
 from ..data.formats import read_rows
+from ..data.samples import check_template
 from ..files import shards
 from ..layers import parse_layer_ids
 from . import preflight
@@ -55,6 +56,8 @@ def make_plan(cfg: ExtractConfig, engine: bool = True) -> Plan:
     preflight.check_weights(cfg)
     preflight.check_output_writable(cfg.output)
     tokenizer = preflight.load_tokenizer(cfg)
+    if cfg.regenerate or cfg.data_format not in ("tokens", "text"):  # rows that render the chat template
+        check_template(tokenizer)
     read_rows(cfg.data)  # a missing file, a folder that is no dataset, a format --data cannot read: before hashing it
     return Plan(cfg, shape, aux_ids, tokenizer, identity(cfg, shape, aux_ids, tokenizer), shard)
 
