@@ -234,6 +234,8 @@ class ExtractConfig:
             _check_type(known[name], value)
         for name in ("data", "output"):
             if options.get(name) is not None:
+                if not str(options[name]).strip():  # Path("") is the current folder: an unset variable, say
+                    raise ExtractError(f"{name}={options[name]!r}: an empty path; name the file or folder")
                 options[name] = Path(options[name])
         return cls(**options)
 

@@ -64,6 +64,10 @@ def test_bad_input_raises_the_clis_line(tmp_path):
     for call in (verify, merge):
         with pytest.raises(ExtractError, match="output=None: give the output folder as a str or a Path"):
             call(None)
+        with pytest.raises(ExtractError, match="output='': an empty path; name the output folder"):
+            call("")  # an unset variable: Path("") would be the current folder
+    with pytest.raises(ExtractError, match="output=' ': an empty path; name the file or folder"):
+        extract(data=data, output=" ")
     assert not (tmp_path / "out").exists()
 
 

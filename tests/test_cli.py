@@ -136,8 +136,8 @@ def test_a_mistyped_command_line_is_one_line_naming_the_help_to_read():
         (["--dtype", "garbage"], "Invalid value for '--dtype': 'garbage' is not one of", "extract"),
         (["verify"], "Missing argument 'OUTPUT'.", "verify"),
         (["serve", "--no-such-option"], "No such option '--no-such-option'", "serve"),
-        (["--output", ""], "Invalid value for '--output': an empty path; name the file or folder", "extract"),
-        (["serve", "--spool", " "], "Invalid value for '--spool': an empty path; name the file or folder", "serve"),
+        (["--output", ""], "Invalid value for '--output': an empty or blank path; name the file", "extract"),
+        (["serve", "--spool", " "], "Invalid value for '--spool': an empty or blank path; name the file", "serve"),
     ):
         proc = subprocess.run([sys.executable, "-m", "eagle_extract", *args], capture_output=True, text=True)
         lines = proc.stderr.strip().splitlines()

@@ -145,6 +145,8 @@ def _cases(tmp, model):
         (f"a file named {B}.parquet{B} that is not Parquet", ["--data", str(tmp / "fake.parquet")]),
         ("a JSON list with bytes that are not UTF-8 past its first MiB", ["--data", str(tmp / "rows.json")]),
         ("a model folder without a tokenizer", ["--model", str(tmp / "no-tokenizer")]),
+        ("an empty model path", ["--model", ""]),
+        (f"a {B}--engine-arg tokenizer={B} that names no folder", ["--engine-arg", f"tokenizer={tmp / 'nope'}"]),
         (f"a {B}--engine-arg tokenizer={B} folder without a tokenizer",
          ["--engine-arg", f"tokenizer={tmp / 'no-tokenizer'}"]),  # fmt: skip
         ("a chat template that does not parse", ["--model", str(tmp / "bad-template")]),

@@ -124,6 +124,8 @@ def extract(*, log=print, **options) -> Summary:
 def _folder(output) -> Path:
     if not isinstance(output, (str, os.PathLike)):
         raise ExtractError(f"output={output!r}: give the output folder as a str or a Path")
+    if not str(output).strip():
+        raise ExtractError(f"output={output!r}: an empty path; name the output folder")
     return Path(output)
 
 

@@ -39,7 +39,7 @@ class _NamedPath(click.Path):
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and not value.strip():
-            self.fail("an empty path; name the file or folder (. for the current one)", param, ctx)
+            self.fail("an empty or blank path; name the file or folder (. for the current one)", param, ctx)
         return super().convert(value, param, ctx)
 
 

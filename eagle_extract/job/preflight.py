@@ -31,6 +31,8 @@ class ModelShape:
 def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
     from transformers import AutoConfig
 
+    if not model.strip():
+        raise ExtractError("--model is empty; pass a local checkpoint folder (config.json, weights, tokenizer)")
     if not Path(model).exists():  # a Hub name too: the engine and the run's identity need the folder
         raise ExtractError(
             f"--model {model}: no such folder; pass a local checkpoint folder (config.json, weights, tokenizer)"
@@ -96,6 +98,10 @@ def load_tokenizer(cfg: ExtractConfig):
     from transformers import AutoTokenizer
 
     given = cfg.engine_args.get("tokenizer")  # the engine's own, when it is given one
+    if given is not None and not Path(str(given)).is_dir():
+        raise ExtractError(
+            f"--engine-arg tokenizer={given}: no such folder; name a local folder with the model's tokenizer files"
+        )
     try:
         return AutoTokenizer.from_pretrained(given or cfg.model, trust_remote_code=cfg.trust_remote_code)
     except Exception as exc:
