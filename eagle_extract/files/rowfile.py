@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 import zipfile
 from pathlib import Path
 
@@ -110,13 +111,18 @@ def _read_header(path: Path, size: int) -> tuple[dict, int] | None:
         return (json.loads(f.read(n)), n) if 0 < n <= size - 8 else None
 
 
+def _regular_size(path: Path) -> int | None:
+    """The file's size from one stat, None when it is no regular file (a pipe would block its reader for ever)."""
+    st = path.stat()
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
 def header_dtype(output: Path, index: int) -> str | None:
     """The model dtype row `index`'s file holds its states in, from its header (None when unreadable)."""
     path = hidden_state_path(output, index)
-    if not path.is_file():  # a pipe would block its reader for ever
-        return None
     try:
-        read = _read_header(path, path.stat().st_size)
+        size = _regular_size(path)
+        read = _read_header(path, size) if size is not None else None
         return SAFETENSORS_DTYPES.get(read[0]["hidden_states"]["dtype"]) if read else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -127,9 +133,9 @@ def header_problem(path: Path, tokens: int, slots: int, hidden: int, legacy: boo
     cut, emptied, its length other than its header says, or shapes other than the run's.  (Not the
     dtype: with --dtype auto the engine's may differ from the config's, which the identity holds.)"""
     try:
-        if not path.is_file():  # a pipe would block its reader for ever
+        size = _regular_size(path)
+        if size is None:
             return NOT_A_FILE
-        size = path.stat().st_size
         if legacy:  # a torch.save zip: its directory, at the end, is the first thing a cut loses
             with zipfile.ZipFile(path) as archive:
                 archive.infolist()
