@@ -349,6 +349,19 @@ def test_overwrite_passes_what_eagle_extract_writes_and_refuses_what_it_does_not
     (output / ".eagle_extract_rows" / "hidden_states" / "mine.txt").write_text("")
     with pytest.raises(ExtractError, match=r"mine.txt is not eagle-extract's, and --overwrite replaces .*rows whole"):
         out.refuse_foreign_files(output, None)
+    (output / ".eagle_extract_rows" / "hidden_states" / "mine.txt").unlink()
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "hidden_states").mkdir(parents=True)
+    (elsewhere / "hidden_states" / "hs_0.safetensors").write_text("the user's")
+    (output / "hidden_states" / "theirs").symlink_to(elsewhere)  # os.walk lists it and does not go in
+    with pytest.raises(ExtractError, match=r"hidden_states/theirs is a link, not eagle-extract's"):
+        out.refuse_foreign_files(output, None)
+    (output / "hidden_states" / "theirs").unlink()
+    (output / ".pp_parts").rename(tmp_path / "parts")
+    (output / ".pp_parts").symlink_to(tmp_path / "parts")  # only our names behind it, and still not replaced whole
+    with pytest.raises(ExtractError, match=r"\.pp_parts is a link \(to .*parts\), and --overwrite replaces that"):
+        out.refuse_foreign_files(output, None)
+    assert (elsewhere / "hidden_states" / "hs_0.safetensors").read_text() == "the user's"
 
 
 def test_an_unreadable_record_is_one_line_naming_it_and_losing_no_row(tmp_path):

@@ -264,8 +264,19 @@ def refuse_foreign_files(output: Path, data: Path | None) -> None:
             )
     for name, ours in _WHOLE.items():
         folder = str(output / name)
-        for top, _, files in os.walk(folder):  # a million rows: names only, in the order the folder has them
+        if os.path.islink(folder):
+            raise ExtractError(
+                f"--overwrite: {folder} is a link (to {os.readlink(folder)}), and --overwrite replaces that folder "
+                "whole without following links; make it a plain folder, or rerun without --overwrite"
+            )
+        for top, dirs, files in os.walk(folder):  # a million rows: names only, in the order the folder has them
             below = "" if top == folder else os.path.relpath(top, folder).replace(os.sep, "/") + "/"
+            link = next((d for d in dirs if os.path.islink(os.path.join(top, d))), None)  # walk does not enter it
+            if link is not None:
+                raise ExtractError(
+                    f"--overwrite: {os.path.join(top, link)} is a link, not eagle-extract's, and --overwrite replaces "
+                    f"{folder} whole; move it out of that folder first"
+                )
             foreign = next((f for f in files if not ours.fullmatch(below + f)), None)
             if foreign is not None:
                 raise ExtractError(
