@@ -48,13 +48,18 @@ WARN_ONLY = ("versions",)  # identity keys a resumed run may change, told: other
 def identity_changes(previous: dict, identity: dict) -> list[str]:
     """The identity keys (but WARN_ONLY) whose values differ.  A key the previous record lacks (an earlier
     eagle-extract's) is not compared, but for its `tokenizer`, which engine_args now holds (two earlier
-    records, two shards' say, compare their tokenizers as they are)."""
+    records, two shards' say, compare their tokenizers as they are).  The model's folder is compared only
+    where a record lacks its digest (`model_sha256`)."""
     if "tokenizer" in previous and "engine_args" not in previous and "engine_args" in identity:
         args = {k: v for k, v in identity["engine_args"].items() if k != "tokenizer"}
         if previous["tokenizer"] is not None:
             args["tokenizer"] = previous["tokenizer"]
         previous = {**previous, "engine_args": args}
-    return [k for k in identity if k not in WARN_ONLY and k in previous and previous[k] != identity[k]]
+    moved = "model_sha256" in previous and "model_sha256" in identity  # the same files elsewhere are the same model
+    return [
+        k for k in identity
+        if k not in WARN_ONLY and k in previous and previous[k] != identity[k] and not (moved and k == "model")
+    ]  # fmt: skip
 
 
 def other_releases(output: Path, identity: dict, shard: tuple[int, int] | None) -> str | None:

