@@ -92,6 +92,9 @@ def _cases(tmp, model):
     (tmp / "user-parts" / "eagle_extract.json").write_text("{}")
     (tmp / "user-parts" / ".pp_parts" / "layers_0-3" / "hidden_states" / "hs_0.safetensors").write_text("")
     (tmp / "user-parts" / ".pp_parts" / "layers_0-3" / "notes.txt").write_text("mine")
+    (tmp / "user-link" / "hidden_states").mkdir(parents=True)
+    (tmp / "user-link" / "eagle_extract.json").write_text("{}")
+    (tmp / "user-link" / "hidden_states" / "theirs").symlink_to(tmp / "user-file")
     (tmp / "bad-template").mkdir()
     for f in model.iterdir():  # the same tokenizer, its chat template cut short of a closing brace
         if f.is_file() and f.name not in ("tokenizer_config.json", "chat_template.jinja"):
@@ -223,6 +226,8 @@ def _cases(tmp, model):
          ["--output", str(tmp / "user-file"), "--overwrite"]),  # fmt: skip
         (f"{B}--overwrite{B} of an output with a file of someone else's in its shards or .pp_parts folder (deleted "
          "whole too)", ["--output", str(tmp / "user-parts"), "--overwrite"]),  # fmt: skip
+        (f"{B}--overwrite{B} of an output whose hidden_states, shards or .pp_parts folder is a link, or holds one",
+         ["--output", str(tmp / "user-link"), "--overwrite"]),  # fmt: skip
         (f"{B}--overwrite{B} with {B}--data{B} inside the output, among the files that go with it (its "
          f"{B}regenerated.jsonl{B} fed back in)", ["--data", str(tmp / "regenerated" / "regenerated.jsonl"),
                                                   "--output", str(tmp / "regenerated"), "--overwrite"]),  # fmt: skip

@@ -331,7 +331,7 @@ def test_fp8_rows_read_by_fp8transfer_and_a_dead_engine_ends_the_server(tmp_path
         server.stop()
 
 
-def test_bad_server_options_get_one_line_before_the_engine(smollm2):
+def test_bad_server_options_get_one_line_before_the_engine(smollm2, tmp_path):
     from .common import assert_documented
     from .conftest import run_cli
 
@@ -358,6 +358,22 @@ def test_bad_server_options_get_one_line_before_the_engine(smollm2):
             assert proc.returncode == 1 and len(lines) == 1, (case, proc.stdout, proc.stderr)
             assert "starting the engine" not in proc.stdout
             assert_documented("The server", case, lines[0])
+        # a chat template that does not parse is said at the start (chat requests get it as their 400), and the
+        # server goes on: the trainer's requests carry token ids (here the port stops it before the engine)
+        bad = tmp_path / "bad-template"
+        bad.mkdir()
+        for f in smollm2.iterdir():
+            if f.is_file() and f.name not in ("tokenizer_config.json", "chat_template.jinja"):
+                (bad / f.name).symlink_to(f)
+        settings = json.loads((smollm2 / "tokenizer_config.json").read_text())
+        settings.pop("chat_template", None)
+        (bad / "tokenizer_config.json").write_text(json.dumps(settings))
+        (bad / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }{% endfor %}")
+        proc = run_cli("serve", "--model", str(bad), "--port", str(taken.getsockname()[1]), check=False)
+        said = (proc.stdout + proc.stderr).splitlines()
+        warned = [line for line in said if line.startswith("warning: the chat template of")]
+        assert len(warned) == 1 and warned[0].endswith("chat requests are refused, and prompt token ids are served")
+        assert proc.returncode == 1 and "cannot listen there" in proc.stderr.strip().splitlines()[-1], (proc.stdout, proc.stderr)
     # a setting vLLM refuses once the engine starts: the server's own line, naming its log, which holds the rest
     proc = run_cli("serve", "--model", str(smollm2), "--port", str(_free_port()), "--engine-arg", "max_num_seqs=0",
                    check=False)  # fmt: skip

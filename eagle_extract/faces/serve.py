@@ -36,6 +36,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ..config import ExtractConfig, ServeOptions
+from ..data.formats import DataError
+from ..data.samples import check_template
 from ..errors import ExtractError, engine_errors
 from ..files.rowfile import hidden_state_path
 from ..interrupts import interrupted, note_interrupt
@@ -196,7 +198,8 @@ class EngineLoop(threading.Thread):
     run, or a finished row has no file after STALL_S, no new request is taken until the engine has run
     empty; then every row announced is settled, and those left are run again: together, then any left again
     alone, once.  An engine that runs empty otherwise settles its rows without waiting for the disk: each
-    file is answered as it is written, and new requests come in meanwhile."""
+    file is answered as it is written, and new requests come in meanwhile.  The workers are asked once a step
+    (the engine core serves an RPC only between its steps): that look also announces the step's new rows."""
 
     def __init__(self, llm, spool: Spool, batch_size: int, watch: EngineWatch, note) -> None:
         super().__init__(daemon=True, name="eagle-serve-engine")
@@ -217,7 +220,7 @@ class EngineLoop(threading.Thread):
         self._parked: list[_Job] = []  # to run again once the engine is empty
         self._hold = False  # take no new request until the engine is empty
         self._unsettled = False  # rows announced since the last settle
-        self._refused: list[int] = []  # announced, then refused by vLLM: retired at the next drain
+        self._finished: list[int] = []  # finished by the engine (or refused by vLLM) since the workers were told
 
     def submit(self, ids: list[int], nbytes: int) -> Future:
         if self.failed:
@@ -230,19 +233,25 @@ class EngineLoop(threading.Thread):
         engine = self.llm.llm_engine
         try:
             while not (self.stopping.is_set() and self.jobs.empty() and not self._inflight and not self._parked):
-                if not self._hold:
-                    self._admit(engine)
-                if self._running:
-                    finished = self._step(engine) + self._refused
-                    self._refused = []
+                fresh = [] if self._hold else self._admit()
+                if self._running or fresh:
+                    # one look at the workers a step (each look waits for the engine core's step in progress):
+                    # the rows the last step finished, or with the engine empty every row announced (settled
+                    # without waiting for the disk), told; the files written heard; the new rows announced
+                    settle = not self._running and self._unsettled
+                    finished, self._finished = self._finished, []
+                    self._unsettled = self._unsettled and not settle
+                    self._number(fresh)
+                    self._answer(self._drain(False, None if settle else finished, expect=self._rows(fresh)))
+                    self._add(engine, fresh)
                     if self._running:
-                        self._answer(self._drain(False, finished))
-                        continue
+                        self._finished += self._step(engine)
+                    continue
                 if self._inflight and not self._hold and not self._parked:
                     # the engine is empty, its rows wait only for their files: settle them without waiting
                     # for the disk (their files, and any row lost, come in at later looks), answer each file
                     # as it is written, and let new requests in between looks
-                    settle, self._unsettled, self._refused = self._unsettled, False, []  # a settle covers refusals
+                    settle, self._unsettled, self._finished = self._unsettled, False, []  # a settle covers these
                     before = self.drain_s
                     got = self._drain(False, None if settle else [], PATIENCE_S)
                     self.idle_s += self.drain_s - before
@@ -253,7 +262,7 @@ class EngineLoop(threading.Thread):
                 # settle every row announced, waiting for the disk, run again what is left and fail what
                 # still has no states; then new requests may come in again
                 if self._unsettled or self._parked or self._inflight:
-                    self._unsettled, self._refused = False, []
+                    self._unsettled, self._finished = False, []
                     self._answer(self._drain(True, None))
                     self._run_again(engine)
                     for index in list(self._inflight):  # every row is settled now: none may wait on
@@ -277,9 +286,10 @@ class EngineLoop(threading.Thread):
             except queue.Empty:
                 return jobs
 
-    def _admit(self, engine) -> None:
-        """Take the waiting requests into the engine, up to --batch-size rows in it at once; wait a little
-        for one when there is nothing else to do."""
+    def _admit(self) -> list[_Job]:
+        """The waiting requests to take into the engine, up to --batch-size rows in it at once (waiting a
+        little for one when there is nothing else to do), less those whose prompt is in flight already:
+        they follow it."""
         import queue
 
         jobs = []
@@ -299,17 +309,23 @@ class EngineLoop(threading.Thread):
                 fresh.append(job)
         if fresh:
             self.watch.beat()
-            self._start(engine, fresh)
+        return fresh
 
-    def _start(self, engine, jobs: list[_Job]) -> None:
-        """Announce `jobs` to the workers, then hand them to the engine, each under a fresh row number."""
-        from vllm import SamplingParams, TokensPrompt
-
+    def _number(self, jobs: list[_Job]) -> None:
+        """Give each job a fresh row number; from here it is in flight, to be answered or failed."""
         for job in jobs:
             job.index = next(self._numbers)
             self._inflight[job.index] = job
-        self._unsettled = True
-        self.llm.collective_rpc("eagle_expect", args=([(job.index, job.ids) for job in jobs], None))
+        self._unsettled = self._unsettled or bool(jobs)
+
+    @staticmethod
+    def _rows(jobs: list[_Job]) -> list[tuple[int, list[int]]]:
+        return [(job.index, job.ids) for job in jobs]
+
+    def _add(self, engine, jobs: list[_Job]) -> None:
+        """Hand announced jobs to the engine; a prompt vLLM refuses fails its request, the rest go on."""
+        from vllm import SamplingParams, TokensPrompt
+
         params = SamplingParams(max_tokens=1, temperature=0.0)
         for job in jobs:
             try:
@@ -317,7 +333,7 @@ class EngineLoop(threading.Thread):
             except ValueError as exc:  # vLLM's own check refused the prompt: that request fails, the rest go on
                 said = (str(exc).splitlines() or [""])[0][:300]
                 self._fail(self._inflight.pop(job.index), BadRequest(f"vLLM refused the prompt: {said}"))
-                self._refused.append(job.index)
+                self._finished.append(job.index)  # announced: the workers are told it will not run
                 continue
             self._running.add(job.index)
 
@@ -339,9 +355,9 @@ class EngineLoop(threading.Thread):
         now = time.monotonic()
         return any(now - at > STALL_S for at in self._finished_at.values())
 
-    def _drain(self, wait: bool, finished: list[int] | None, patience: float = 0.0) -> dict:
+    def _drain(self, wait: bool, finished: list[int] | None, patience: float = 0.0, expect: list | None = None) -> dict:
         t0 = time.perf_counter()
-        got = drain_workers(self.llm, wait, finished, patience)
+        got = drain_workers(self.llm, wait, finished, patience, expect)
         self.drain_s += time.perf_counter() - t0
         if got["untrusted"]:
             self._hold = True
@@ -358,11 +374,13 @@ class EngineLoop(threading.Thread):
                 self._parked.remove(job)
                 self.redone += not job.retried  # rows, not runs: a row run again alone after its batch counts once
                 job.retried = True
-            self._start(engine, jobs)
+            self._number(jobs)
+            self.llm.collective_rpc("eagle_expect", args=(self._rows(jobs), None))
+            self._add(engine, jobs)
             while self._running:
                 self._step(engine)
             self._answer(self._drain(True, None), final=len(jobs) == 1)
-        self._unsettled = False
+        self._unsettled, self._finished = False, []
         self._finished_at.clear()
 
     def summary(self) -> str:
@@ -445,9 +463,10 @@ def _error(status: int, message: str, param: str | None = None):
 class Requests:
     """Checks a request body and turns it into prompt token ids, as the engine will be given them."""
 
-    def __init__(self, name: str, tokenizer, longest: int, bytes_per_token: int) -> None:
+    def __init__(self, name: str, tokenizer, longest: int, bytes_per_token: int, unparsed: str | None = None) -> None:
         self.name, self.tokenizer, self.longest = name, tokenizer, longest
         self.vocab, self.bytes_per_token = len(tokenizer), bytes_per_token
+        self.unparsed = unparsed  # the chat template does not parse: every chat request's answer
 
     def tokens(self, body: dict, chat: bool) -> list[int]:
         """The prompt's token ids; what the tokenizer or the chat template refuses is the request's fault."""
@@ -489,6 +508,8 @@ class Requests:
                     "give each message's content as a string",
                     param="messages",
                 )
+        if self.unparsed:
+            raise BadRequest(f"messages: {self.unparsed}", param="messages")
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages,
@@ -630,16 +651,22 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
     shape, aux_ids = model_layers(cfg)
     check_weights(cfg)
     tokenizer = load_tokenizer(cfg)
+    try:
+        check_template(tokenizer)
+        unparsed = None
+    except DataError as exc:  # the trainer's requests carry token ids: the server serves those
+        unparsed = str(exc)
+        log(f"warning: {unparsed}; until then chat requests are refused, and prompt token ids are served")
     _port_free(opts.host, opts.port)
     objects = MooncakeObjects(opts.mooncake, opts.spool_ttl) if opts.mooncake else None
     try:
-        return _serve(cfg, opts, log, shape, aux_ids, tokenizer, objects)
+        return _serve(cfg, opts, log, shape, aux_ids, tokenizer, unparsed, objects)
     finally:  # whatever failed (the engine's start too), our segment leaves the store and nothing of ours stays
         if objects:
             objects.close()
 
 
-def _serve(cfg: ExtractConfig, opts: ServeOptions, log, shape, aux_ids, tokenizer, objects) -> int:
+def _serve(cfg: ExtractConfig, opts: ServeOptions, log, shape, aux_ids, tokenizer, unparsed, objects) -> int:
     if objects:
         objects.connect()  # before the engine: a master that does not answer is one line, now
     root = opts.spool or Path(tempfile.gettempdir())
@@ -657,7 +684,7 @@ def _serve(cfg: ExtractConfig, opts: ServeOptions, log, shape, aux_ids, tokenize
     if opts.whole_context and shape.context:  # up to SERVE_LENGTH: a 1M-token context's KV cache may not fit
         cfg = replace(cfg, seq_length=min(shape.context - 1, SERVE_LENGTH))
     max_model_len = min(cfg.seq_length + 1, shape.context or cfg.seq_length + 1)
-    requests = Requests(name, tokenizer, max_model_len - 1, per_token)  # vLLM refuses a prompt of max_model_len
+    requests = Requests(name, tokenizer, max_model_len - 1, per_token, unparsed)  # vLLM refuses a max_model_len prompt
     log_path = folder / "eagle_extract.log"
     watch = EngineWatch(cfg.stall_timeout or None, log_path)
     watch.advice = "the server stopped; its spool's files were removed"

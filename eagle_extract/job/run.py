@@ -342,11 +342,14 @@ def _watched(llm, watch: EngineWatch, t0: float) -> float:
     return time.perf_counter() - t0
 
 
-def drain_workers(llm, wait: bool, finished: list[int] | None = None, patience: float = 0.0) -> dict:
+def drain_workers(
+    llm, wait: bool, finished: list[int] | None = None, patience: float = 0.0, expect: list | None = None
+) -> dict:
     """Collect the writing workers' reports; `written_by` lists each writer's new rows, in rank order.
     `finished`: only these rows have run to their end (worker.eagle_drain), not every row announced;
-    `patience`: without `wait`, how long a writer waits for a first row written."""
-    reports = [r for r in llm.collective_rpc("eagle_drain", args=(wait, finished, patience)) if r is not None]
+    `patience`: without `wait`, how long a writer waits for a first row written; `expect`: (row, token ids)
+    of the rows to announce once the workers have reported."""
+    reports = [r for r in llm.collective_rpc("eagle_drain", args=(wait, finished, patience, expect)) if r is not None]
     errors = [e for r in reports for e in r["errors"]]
     if errors:
         raise ExtractError(errors[0])

@@ -101,11 +101,15 @@ class HiddenStateExtension:
                 writer.expect_loss_masks(loss_masks)
             capture.expect(rows)
 
-    def eagle_drain(self, wait: bool = True, finished: list[int] | None = None, patience: float = 0.0) -> dict | None:
+    def eagle_drain(
+        self, wait: bool = True, finished: list[int] | None = None, patience: float = 0.0, expect: list | None = None
+    ) -> dict | None:
         """Report rows written, errors and capture stats; `wait` until capture and disk have caught up.
         Every row announced so far has run (a generate call returned, or the engine ran empty); with
         `finished`, only these rows have, while others still run (the server's continuous batching).
-        Without `wait`, `patience` waits up to that long for a row to be written, when none was yet."""
+        Without `wait`, `patience` waits up to that long for a row to be written, when none was yet.
+        `expect` then announces the next rows, as `eagle_expect` would: the server's loop makes one RPC
+        a step, since each waits for the engine core's step in progress."""
         if not getattr(self, "_eagle", None):
             return None
         capture, writer = self._eagle
@@ -119,7 +123,10 @@ class HiddenStateExtension:
         report = writer.drain(wait, patience)
         report["errors"] = captured["errors"] + report["errors"]
         redo, lost = capture.take_unwritten()
-        return {**captured, **report, "redo": redo, "lost": lost, "untrusted": capture.untrusted}
+        untrusted = capture.untrusted
+        if expect:
+            capture.expect(expect)
+        return {**captured, **report, "redo": redo, "lost": lost, "untrusted": untrusted}
 
     def eagle_remove(self) -> None:
         if getattr(self, "_eagle", None):
