@@ -7,8 +7,9 @@
 #   stages  throughput.py on tmpfs: Kimi-K2.5's text widths cut to 4 layers, 128 x 2,048 tokens, bf16 and FP8,
 #           b also stopped short at each stage (--leave-out write,copy,store), 4 repetitions
 #   writer  writer_vs_disk.py on the machine's disk (this folder), 20 GB of bf16 rows a repetition, 3 repetitions,
-#           safetensors' save_file beside the streamed writer (20 GB fits in an H200 host's RAM: each variant is
-#           timed through os.sync, but a disk may sustain less over runs longer than the page cache)
+#           safetensors' save_file and the streamed writer without its early writeback beside it (20 GB fits in
+#           an H200 host's RAM: each variant is timed through os.sync, but a disk may sustain less over runs longer
+#           than the page cache)
 set -euo pipefail
 out=${1:?usage: capture_cost_h200.sh OUT [pinned] [stages] [writer]}
 shift
@@ -37,7 +38,7 @@ EOF
               --leave-out write,copy,store --out /dev/shm/eagle-bench --json "$out/stages.json" 2>&1 \
               | grep -v -i warning | tail -16 | tee "$out/stages.txt" ;;
     writer) python3 benchmarks/writer_vs_disk.py --folder "$PWD/writer-vs-disk" --gb 20 --reps 3 --with-save-file \
-              --json "$out/writer.json" 2>&1 | tee "$out/writer.txt" ;;
+              --without-early-writeback --json "$out/writer.json" 2>&1 | tee "$out/writer.txt" ;;
     *) echo "capture_cost_h200.sh: unknown part $part (pinned, stages, writer)" >&2; exit 2 ;;
   esac
 done

@@ -1,7 +1,7 @@
 """The row writer alone against the disk's own fsynced rate, in one folder, alternated.
 
     python benchmarks/writer_vs_disk.py --folder DIR [--gb 24] [--reps 3] [--tokens 2048] [--slots 4]
-        [--hidden 7168] [--threads 0] [--with-save-file] [--without-fsync] [--json PATH]
+        [--hidden 7168] [--threads 0] [--with-save-file] [--without-fsync] [--without-early-writeback] [--json PATH]
 
 Each repetition writes about --gb of rows with eagle-extract's own `BackgroundWriter` (checksum, fsync,
 rename: what an extraction's worker does with a finished row), once as bf16 rows and once as twice as many FP8
@@ -10,8 +10,10 @@ written side by side as writer threads (64 MiB blocks, each started on the disk 
 throughput.py's probe). --with-save-file adds the bf16 rows written the way eagle-extract wrote them
 until 2026-12-04: the same writer, each file by safetensors' own `save_file` (whole, then fsynced);
 --without-fsync adds the bf16 rows with no fsync of their own (what the per-row fsyncs cost: the page cache
-is flushed by the variant's os.sync alone). Every variant is timed until `os.sync()` returns, so the page cache
-cannot flatter it, and the order rotates between repetitions. No engine: this isolates the writer, which an
+is flushed by the variant's os.sync alone); --without-early-writeback adds the bf16 rows streamed without
+starting each 8 MiB on the disk as it is written (what those starts gain or cost on this disk). Every variant
+is timed until `os.sync()` returns, so the page cache cannot flatter it, and the order rotates between
+repetitions. No engine: this isolates the writer, which an
 extraction's b/a figure mixes with the GPU's ramp at the start and the last rows' tail. The disk probe runs
 once first, uncounted: on a shared virtual disk the first variant of every run was slow, whichever it was.
 Prints each variant's GB/s and the writer's share of the disk (median of per-repetition ratios).
@@ -80,6 +82,16 @@ def with_save_file(write):
         safetensors_stream.save = ours
 
 
+def without_early_writeback(write):
+    """`write` run with the streamed writer starting no writeback as it goes: its fsync then writes each row whole."""
+    ours = safetensors_stream.start_writeback
+    safetensors_stream.start_writeback = lambda fd, offset, nbytes: None
+    try:
+        return write()
+    finally:
+        safetensors_stream.start_writeback = ours
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--folder", type=Path, required=True, help="on the disk to measure; emptied and removed")
@@ -92,6 +104,11 @@ def main() -> None:
     ap.add_argument("--with-save-file", action="store_true", help="also the rows written by safetensors' save_file")
     ap.add_argument(
         "--without-fsync", action="store_true", help="also the bf16 rows without their fsyncs (the run's os.sync only)"
+    )
+    ap.add_argument(
+        "--without-early-writeback",
+        action="store_true",
+        help="also the bf16 rows streamed without starting each 8 MiB on the disk as written",
     )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -119,6 +136,9 @@ def main() -> None:
         "bf16 rows, safetensors' save_file": lambda: with_save_file(
             lambda: write_rows(args.folder, bf16, token_ids, count, threads, False)
         ),
+        "bf16 rows, no early writeback": lambda: without_early_writeback(
+            lambda: write_rows(args.folder, bf16, token_ids, count, threads, False)
+        ),
         "bf16 rows without their fsyncs": lambda: write_rows(
             args.folder, bf16, token_ids, count, threads, False, durable=False
         ),
@@ -128,6 +148,8 @@ def main() -> None:
         del variants["bf16 rows, safetensors' save_file"]
     if not args.without_fsync:
         del variants["bf16 rows without their fsyncs"]
+    if not args.without_early_writeback:
+        del variants["bf16 rows, no early writeback"]
     rates: dict[str, list[float]] = {name: [] for name in variants}
     warm = disk_write_rate(args.folder, int(args.gb * 1e9), threads)  # untimed: a run's first pass was always slow
     print(f"warm-up: disk {warm:.2f} GB/s (not counted)", file=sys.stderr, flush=True)

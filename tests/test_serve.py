@@ -373,7 +373,8 @@ def test_bad_server_options_get_one_line_before_the_engine(smollm2, tmp_path):
         said = (proc.stdout + proc.stderr).splitlines()
         warned = [line for line in said if line.startswith("warning: the chat template of")]
         assert len(warned) == 1 and warned[0].endswith("chat requests are refused, and prompt token ids are served")
-        assert proc.returncode == 1 and "cannot listen there" in proc.stderr.strip().splitlines()[-1], (proc.stdout, proc.stderr)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 1 and "cannot listen there" in last, (proc.stdout, proc.stderr)
     # a setting vLLM refuses once the engine starts: the server's own line, naming its log, which holds the rest
     proc = run_cli("serve", "--model", str(smollm2), "--port", str(_free_port()), "--engine-arg", "max_num_seqs=0",
                    check=False)  # fmt: skip
