@@ -298,3 +298,28 @@ def test_a_call_past_the_copy_cap_binds_nothing_wrong_and_hands_back_every_other
         assert sorted(list(bound) + redo) == list(range(len(prompts))), (case, prompts, bound, redo)
         distrusted += matcher.distrusted_calls
     assert distrusted > 0
+
+
+def test_the_prompt_hash_of_every_prefix_is_the_plain_polynomial_of_its_ids():
+    """The hashes that find waiting prompts (numpy's wrapping uint64, a prefix from a cumulative sum), against
+    the polynomial written out in Python integers; past the power tables' first size too."""
+    import random
+
+    from eagle_extract.worker.matching import _hash, _prefix_hashes
+
+    def plain(ids) -> list[int]:
+        """The hash of each prefix: of ids[:1], ids[:2], and so on."""
+        value, every = 0, []
+        for t in ids:
+            value = (value * 1_000_003 + t + 1) % (1 << 64)
+            every.append(value)
+        return every
+
+    rng = random.Random(0)
+    for n in (0, 1, 2, 7, 300, 5000):
+        ids = [rng.choice([0, 1, rng.randrange(1 << 20), (1 << 31) - 1]) for _ in range(n)]
+        assert _hash(ids) == _hash(tuple(ids)) == ([0] + plain(ids))[-1]
+        cut = n // 3
+        prefixes = _prefix_hashes(_hash(ids[:cut]), ids[cut:])
+        assert [int(h) for h in prefixes] == plain(ids)[cut:]
+    assert _hash([0]) != _hash([]) and _hash([0, 0]) != _hash([0])  # a token 0 counts

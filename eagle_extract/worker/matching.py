@@ -11,6 +11,7 @@ import bisect
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -18,7 +19,7 @@ import torch
 class _Request:
     index: int
     token_ids: tuple[int, ...]
-    hash: int  # _rolling of token_ids, taken once
+    hash: int  # _hash of token_ids, taken once
 
 
 @dataclass(eq=False)
@@ -28,17 +29,49 @@ class _PartialPrompt:
     tokens: list[int]
     chunks: list | None  # [T_i, K, H] views of step buffers, in order; None once no waiting row can use them
     tainted: bool = False  # an ambiguous run may have been bound to it or not: what it completes is run again
-    hashed: tuple[int, int] = (0, 0)  # (tokens hashed so far, their rolling hash): RequestMatcher._waiting_prefixes
+    hashed: tuple[int, int] = (0, 0)  # (tokens hashed so far, their _hash): RequestMatcher._waiting_prefixes
 
 
-_MOD, _BASE = (1 << 61) - 1, 1_000_003
 MAX_COPIES = 256  # tainted copies one engine call may keep open (RequestMatcher): past it, the call is distrusted
 
+# Prompts are found by a polynomial hash of their token ids (each + 1, so that a 0 counts) mod 2**64, numpy's uint64
+# arithmetic wrapping: a filter only, since every hit is then checked exactly.  The base is odd, so invertible mod
+# 2**64, and every prefix's hash then comes out of one cumulative sum.
+_BASE = 1_000_003
+_tables = [np.ones(1, np.uint64), np.ones(1, np.uint64)]  # _BASE**k and _BASE**-k mod 2**64, k below their length
 
-def _rolling(value: int, tokens) -> int:
-    for t in tokens:
-        value = (value * _BASE + t + 1) % _MOD
-    return value
+
+def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """_BASE**k and _BASE**-k mod 2**64 for k up to n, the tables grown as longer prompts come."""
+    powers, inverses = _tables
+    if len(powers) <= n:
+        size = max(n + 1, 2 * len(powers))
+        one = np.ones(1, np.uint64)
+        powers, inverses = (
+            np.concatenate([one, np.cumprod(np.full(size - 1, base, dtype=np.uint64))])
+            for base in (_BASE, pow(_BASE, -1, 1 << 64))
+        )
+        _tables[:] = powers, inverses
+    return powers, inverses
+
+
+def _ids(tokens) -> np.ndarray:
+    return np.fromiter(tokens, dtype=np.uint64, count=len(tokens)) + np.uint64(1)
+
+
+def _hash(tokens) -> int:
+    """The hash of a whole prompt."""
+    n = len(tokens)
+    powers, _ = _powers(n)
+    return int((_ids(tokens) * powers[n - 1 :: -1]).sum(dtype=np.uint64)) if n else 0
+
+
+def _prefix_hashes(value: int, tokens) -> np.ndarray:
+    """The hashes of a prompt whose first tokens hash to `value`, extended by each of `tokens` in turn."""
+    n = len(tokens)
+    powers, inverses = _powers(n)
+    sums = np.cumsum(_ids(tokens) * inverses[:n], dtype=np.uint64)  # sum of c_t * _BASE**-t
+    return np.uint64(value) * powers[1 : n + 1] + powers[:n] * sums
 
 
 def segments(positions: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -106,7 +139,7 @@ class RequestMatcher:
         self._running: list[tuple[int, ...]] = []  # every prompt announced and not settled, sorted
         self._announced: dict[int, tuple[int, ...]] = {}
         self._lengths: Counter[int] = Counter()  # the waiting rows' prompt lengths
-        self._hashes: Counter[int] = Counter()  # and their rolling hashes
+        self._hashes: Counter[int] = Counter()  # and their hashes (_hash)
         self._open: list[_PartialPrompt] = []
         self._untrusted = False  # an ambiguous run since the last settle: the rows left waiting are run again
         self._copies = 0  # tainted copies that stayed open when made (prune may close them later), since settle
@@ -120,7 +153,7 @@ class RequestMatcher:
 
     def expect(self, index: int, token_ids: list[int]) -> None:
         key = tuple(token_ids)
-        req = _Request(index, key, _rolling(0, key))
+        req = _Request(index, key, _hash(key))
         self._whole[key].append(req)
         bisect.insort(self._waiting, key)
         self._lengths[len(key)] += 1
@@ -330,18 +363,16 @@ class RequestMatcher:
 
     def _waiting_prefixes(self, partial: _PartialPrompt, before: int) -> list[int]:
         """The lengths past `before` at which the partial prompt's tokens are a waiting row's whole prompt.
-        With many waiting lengths a rolling hash of the tokens, kept on the partial prompt, finds the
+        With many waiting lengths the hashes of the prefixes, the last kept on the partial prompt, find the
         candidates in one pass instead of one slice per length; each is then checked exactly."""
         n = len(partial.tokens)
         lengths = {length for length in self._lengths if before < length <= n}
         if len(lengths) > 8:
-            done, value = partial.hashed
-            hits = set()
-            for i in range(done, n):
-                value = (value * _BASE + partial.tokens[i] + 1) % _MOD
-                if i + 1 in lengths and value in self._hashes:
-                    hits.add(i + 1)
-            partial.hashed, lengths = (n, value), hits
+            done, value = partial.hashed  # done <= before: the prefix hashed so far
+            hashes = _prefix_hashes(value, partial.tokens[done:n])
+            lengths = {length for length in lengths if int(hashes[length - done - 1]) in self._hashes}
+            if n > done:
+                partial.hashed = (n, int(hashes[-1]))
         return sorted(length for length in lengths if tuple(partial.tokens[:length]) in self._whole)
 
     def _forget_waiting(self, req: _Request) -> None:
