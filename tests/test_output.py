@@ -402,31 +402,44 @@ def test_a_complete_output_that_lost_a_row_file_is_not_reported_complete(tmp_pat
 
 
 def test_the_same_model_in_another_folder_is_the_same_model_and_a_changed_weight_is_not(tmp_path):
-    """Shards run on nodes that keep the checkpoint at other paths merge (and a moved checkpoint resumes); a
-    checkpoint whose weights differ, though its config, names and sizes do not (a fine-tune), is refused."""
+    """Shards run on nodes that keep the checkpoint at other paths merge, and a moved checkpoint resumes, told;
+    a checkpoint whose sampled weights or settings differ, though its names and sizes do not, is refused."""
     from eagle_extract.job.completion import same_settings
     from eagle_extract.job.plan import model_sha256
 
     here, there = tmp_path / "node0" / "m", tmp_path / "node1" / "models" / "m"
     here.mkdir(parents=True)
     (here / "config.json").write_text('{"hidden_size": 8}')
-    weights = bytes(range(256)) * 16384  # 4 MiB: the middle and last MiB sampled, the first not
+    weights = bytes(range(256)) * 16384  # 4 MiB
     (here / "model-00001-of-00001.safetensors").write_bytes(weights)
     (here / "notes.md").write_text("the user's")
+    (here / "train.py").write_text("# the user's script")
     shutil.copytree(here, there)
     (there / "notes.md").write_text("changed, and not the model's")
+    (there / "train.py").write_text("# changed: run only with --trust-remote-code")
     assert model_sha256(here) == model_sha256(there)
+    assert model_sha256(here, code=True) != model_sha256(there, code=True)
+    (there / "train.py").write_text("# the user's script")
 
     def record(k: int, model) -> dict:
         return {"shard": f"{k}/2", "identity": {"model": str(model), "model_sha256": model_sha256(model), "dtype": "x"}}
 
     same_settings(tmp_path, [record(0, here), record(1, there)])
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / out.RUN_FILE).write_text(json.dumps(record(0, here)["identity"]))
+    said = out.moved_model(output, record(1, there)["identity"], None)
+    assert said == (f"{output}'s rows so far were written with the model in {here}, now {there}; its files sample "
+                    "the same, so the run goes on: pass --overwrite if it is not the same checkpoint")  # docs/errors.md
+    assert out.moved_model(output, record(0, here)["identity"], None) is None
     fine_tuned = bytearray(weights)
-    fine_tuned[len(weights) // 2 + 7] ^= 1
+    fine_tuned[-7] ^= 1  # the last bytes are always among those sampled
     (there / "model-00001-of-00001.safetensors").write_bytes(bytes(fine_tuned))
-    with pytest.raises(ExtractError, match=r"shards 0/2 and 1/2 in .* ran with a different model_sha256"):
+    said = rf"shards 0/2 and 1/2 in .* ran with a different model \(the files in {here} and in {there} differ\), so"
+    with pytest.raises(ExtractError, match=said):
         same_settings(tmp_path, [record(0, here), record(1, there)])
-    (there / "config.json").write_text('{"hidden_size": 16}')
+    (there / "model-00001-of-00001.safetensors").write_bytes(weights)
+    (there / "quantize_config.json").write_text('{"bits": 4}')  # a loader's settings, hashed whole
     assert model_sha256(there) != model_sha256(here)
     earlier = {"shard": "1/2", "identity": {"model": str(there), "dtype": "x"}}  # an earlier release's: no digest
     with pytest.raises(ExtractError, match=r"ran with a different model \("):

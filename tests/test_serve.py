@@ -375,6 +375,14 @@ def test_bad_server_options_get_one_line_before_the_engine(smollm2, tmp_path):
         assert len(warned) == 1 and warned[0].endswith("chat requests are refused, and prompt token ids are served")
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode == 1 and "cannot listen there" in last, (proc.stdout, proc.stderr)
+        from transformers import AutoTokenizer
+
+        from eagle_extract.faces.serve import UNPARSED_TEMPLATE, BadRequest, Requests
+
+        requests = Requests("m", AutoTokenizer.from_pretrained(bad), 100, 8, UNPARSED_TEMPLATE)
+        with pytest.raises(BadRequest, match=f"^messages: {UNPARSED_TEMPLATE}$"):
+            requests.tokens({"messages": [{"role": "user", "content": "Hi"}]}, chat=True)
+        assert requests.tokens({"prompt": [1, 2, 3]}, chat=False) == [1, 2, 3]
     # a setting vLLM refuses once the engine starts: the server's own line, naming its log, which holds the rest
     proc = run_cli("serve", "--model", str(smollm2), "--port", str(_free_port()), "--engine-arg", "max_num_seqs=0",
                    check=False)  # fmt: skip

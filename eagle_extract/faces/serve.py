@@ -186,6 +186,7 @@ class _Job:
     retried: bool = False  # run again once with other rows: next time it runs alone
 
 
+UNPARSED_TEMPLATE = "this server's chat template does not parse; send the prompt's token ids to /v1/completions"
 STALL_S = 30.0  # a row the engine finished that has no file after this long (not a slow disk): hold, settle
 PATIENCE_S = 0.005  # with the engine empty and rows waiting for their files: a look waits this long for one
 
@@ -218,6 +219,7 @@ class EngineLoop(threading.Thread):
         self._running: set[int] = set()  # row numbers the engine has not finished
         self._finished_at: dict[int, float] = {}  # finished by the engine, no file yet
         self._parked: list[_Job] = []  # to run again once the engine is empty
+        self._held: list[_Job] = []  # admitted by the look that began a hold: taken first once it ends
         self._hold = False  # take no new request until the engine is empty
         self._unsettled = False  # rows announced since the last settle
         self._finished: list[int] = []  # finished by the engine (or refused by vLLM) since the workers were told
@@ -227,12 +229,15 @@ class EngineLoop(threading.Thread):
             raise BadRequest(f"the engine failed: {self.failed}", status=503)
         job = _Job(ids, nbytes, Future())
         self.jobs.put(job)
+        if self.failed:  # the loop failed meanwhile and may have emptied the queue before this job came: none waits
+            for queued in self._queued():
+                self._fail(queued, BadRequest(f"the engine failed: {self.failed}", status=503))
         return job.future
 
     def run(self) -> None:
         engine = self.llm.llm_engine
         try:
-            while not (self.stopping.is_set() and self.jobs.empty() and not self._inflight and not self._parked):
+            while not (self.stopping.is_set() and self.jobs.empty() and not self._owed()):
                 fresh = [] if self._hold else self._admit()
                 if self._running or fresh:
                     # one look at the workers a step (each look waits for the engine core's step in progress):
@@ -243,6 +248,11 @@ class EngineLoop(threading.Thread):
                     self._unsettled = self._unsettled and not settle
                     self._number(fresh)
                     self._answer(self._drain(False, None if settle else finished, expect=self._rows(fresh)))
+                    if self._hold and fresh:  # that look held new requests: they wait for the settle, numbered anew
+                        for job in fresh:
+                            del self._inflight[job.index]
+                            self._finished.append(job.index)  # announced: the workers are told it will not run
+                        self._held, fresh = fresh, []
                     self._add(engine, fresh)
                     if self._running:
                         self._finished += self._step(engine)
@@ -273,8 +283,12 @@ class EngineLoop(threading.Thread):
         except BaseException as exc:
             self.failed = str(exc) if isinstance(exc, ExtractError) else f"{type(exc).__name__}: {exc}"
             self.note(f"engine loop failed: {self.failed}")
-            for job in [*self._inflight.values(), *self._parked, *self._queued()]:
+            for job in [*self._inflight.values(), *self._parked, *self._held, *self._queued()]:
                 self._fail(job, BadRequest(f"the engine failed: {self.failed}", status=503))
+
+    def _owed(self) -> bool:
+        """Requests taken that still wait for their answer."""
+        return bool(self._inflight or self._parked or self._held)
 
     def _queued(self) -> list[_Job]:
         import queue
@@ -287,19 +301,20 @@ class EngineLoop(threading.Thread):
                 return jobs
 
     def _admit(self) -> list[_Job]:
-        """The waiting requests to take into the engine, up to --batch-size rows in it at once (waiting a
-        little for one when there is nothing else to do), less those whose prompt is in flight already:
-        they follow it."""
+        """The waiting requests to take into the engine, those held back at a hold first, up to --batch-size
+        rows in it at once (waiting a little for one when there is nothing else to do), less those whose prompt
+        is in flight already: they follow it."""
         import queue
 
+        room = self.batch_size - len(self._running)
+        fresh, self._held = self._held[:room], self._held[room:]  # leaders of their prompts already
         jobs = []
-        idle = not self._running and not self._inflight
-        while len(self._running) + len(jobs) < self.batch_size:
+        idle = not self._running and not self._inflight and not fresh
+        while len(fresh) + len(jobs) < room:
             try:
                 jobs.append(self.jobs.get(timeout=0.2) if idle and not jobs else self.jobs.get_nowait())
             except queue.Empty:
                 break
-        fresh = []
         for job in jobs:
             leader = self._leaders.get(key := tuple(job.ids))
             if leader is not None:
@@ -655,8 +670,8 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
         check_template(tokenizer)
         unparsed = None
     except DataError as exc:  # the trainer's requests carry token ids: the server serves those
-        unparsed = str(exc)
-        log(f"warning: {unparsed}; until then chat requests are refused, and prompt token ids are served")
+        log(f"warning: {exc}; until then chat requests are refused, and prompt token ids are served")
+        unparsed = UNPARSED_TEMPLATE
     _port_free(opts.host, opts.port)
     objects = MooncakeObjects(opts.mooncake, opts.spool_ttl) if opts.mooncake else None
     try:

@@ -21,7 +21,7 @@ from ..files.writer import write_dataset
 from ..layers import CONVENTION, legacy_layer_ids
 from ..version import __version__
 from . import lock
-from .output import RUN_FILE, finish_run, identity_changes, remove_leftovers
+from .output import RUN_FILE, different, finish_run, identity_changes, remove_leftovers
 from .plan import Plan, make_plan
 
 SKIPPED = "skipped_rows.jsonl"
@@ -235,11 +235,10 @@ def same_settings(output: Path, runs: list[dict]) -> None:
             continue
         changed = identity_changes(first, other)
         if changed:
-            key = changed[0]
             raise ExtractError(
-                f"shards {runs[0].get('shard')} and {run.get('shard')} in {output} ran with a different {key} "
-                f"({first[key]!r}, then {other[key]!r}), so their rows cannot make one dataset; run every shard "
-                "with the same options (into an empty folder), then merge"
+                f"shards {runs[0].get('shard')} and {run.get('shard')} in {output} ran with "
+                f"{different(changed[0], first, other, 'then')}, so their rows cannot make one dataset; run every "
+                "shard with the same options (into an empty folder), then merge"
             )
 
 
@@ -266,6 +265,9 @@ def _merge(output: Path) -> dict:
             f"shard(s) {names} of {output} have not finished; run them (--shard {missing[0]}/{num}), then merge again"
         )
     same_settings(output, [runs[k] for k in range(num)])
+    # the shards may have read the model from other folders (other nodes): take a shard's whose folder is here
+    here = [r for r in runs.values() if isinstance(r.get("config"), dict) and Path(str(r["config"]["model"])).is_dir()]
+    summary = here[0] if here else summary
     config = ExtractConfig.from_options(**{**summary["config"], "output": output})
     if config.data is not None and not Path(config.data).exists():
         raise ExtractError(

@@ -76,6 +76,26 @@ def other_releases(output: Path, identity: dict, shard: tuple[int, int] | None) 
     )
 
 
+def different(key: str, old: dict, new: dict, word: str = "now") -> str:
+    """How a message names one changed identity key: the model's digest by the two folders it was taken in."""
+    if key == "model_sha256":
+        return f"a different model (the files in {old.get('model')} and in {new.get('model')} differ)"
+    return f"a different {key} ({old.get(key)!r}, {word} {new.get(key)!r})"
+
+
+def moved_model(output: Path, identity: dict, shard: tuple[int, int] | None) -> str | None:
+    """The unfinished run in `output` read the model from another folder, and the files' digest is the same: the
+    run goes on, told (the digest samples the weights, so a fine-tune that changed only unsampled bytes passes)."""
+    own = Path(output) / run_file(shard)
+    old = _record(own) if own.exists() else {}
+    if old.get("model_sha256") != identity["model_sha256"] or old.get("model") in (None, identity["model"]):
+        return None
+    return (
+        f"{output}'s rows so far were written with the model in {old['model']}, now {identity['model']}; its files "
+        "sample the same, so the run goes on: pass --overwrite if it is not the same checkpoint"
+    )
+
+
 def _record(path: Path) -> dict:
     """A run file, or a shard's finished record: deleting it loses no row (the rerun keeps every whole file)."""
     if path.parent.name == shards.SHARDS_DIR:
@@ -150,10 +170,9 @@ def identical_complete(output: Path, identity: dict, overwrite: bool, states: st
             )
         raise ExtractError(f"--output {output}: its manifest {path} is unreadable ({why}); {fix}") from None
     if changed:
-        k = changed[0]
         raise ExtractError(
-            f"--output {output} already holds a complete extraction with a different {k} "
-            f"({manifest['identity'].get(k)!r}, now {identity[k]!r}); pass --overwrite to replace it, or choose "
+            f"--output {output} already holds a complete extraction with "
+            f"{different(changed[0], manifest['identity'], identity)}; pass --overwrite to replace it, or choose "
             "another --output"
         )
     recorded = Manifest.of(manifest)
@@ -330,12 +349,10 @@ def refuse_other_runs(output: Path, identity: dict, shard: tuple[int, int] | Non
     for previous in (r for r in recorded if isinstance(r, dict)):
         changed = identity_changes(previous, identity)
         if changed:
-            k = changed[0]
             resume = "rerun with its settings to resume it (every row written is kept)"
             fix = "use the other shards' settings" if shard else f"{resume}, or pass --overwrite to start over"
             raise ExtractError(
-                f"--output {output} holds an unfinished run with a different {k} "
-                f"({previous.get(k)!r}, now {identity[k]!r}); {fix}"
+                f"--output {output} holds an unfinished run with {different(changed[0], previous, identity)}; {fix}"
             )
 
 

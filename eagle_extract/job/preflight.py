@@ -67,7 +67,7 @@ def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
     )
 
 
-_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 
 def check_weights(cfg: ExtractConfig) -> None:
@@ -87,7 +87,7 @@ def check_weights(cfg: ExtractConfig) -> None:
                 f"--model {folder}: {len(missing)} of the {len(names)} weight files its {index.name} lists are "
                 f"missing (first: {missing[0]}); finish downloading the checkpoint"
             )
-    elif not any(any(folder.glob(pattern)) for pattern in _WEIGHTS):
+    elif not any(any(folder.glob(pattern)) for pattern in WEIGHTS):
         raise ExtractError(
             f"--model {folder}: no weights (*.safetensors, *.bin, *.pt, *.gguf) in the folder; download them, "
             "or pass --engine-arg load_format=dummy for random weights"

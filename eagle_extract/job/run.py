@@ -202,9 +202,11 @@ def _complete(plan: Plan, store: TokenStore, this_run: dict, regenerated, log) -
 def _warn_of_other_rows(plan: Plan, log) -> None:
     """Rows in the folder this run will not use: another release's, or (a shard's) rows named by dataset index."""
     output = Path(plan.cfg.output)
-    changed = None if plan.cfg.overwrite else out.other_releases(output, plan.identity, plan.shard)
-    if changed:
-        log(f"warning: {changed}")
+    if not plan.cfg.overwrite:
+        for changed in (out.other_releases(output, plan.identity, plan.shard),
+                        out.moved_model(output, plan.identity, plan.shard)):  # fmt: skip
+            if changed:
+                log(f"warning: {changed}")
     hidden = output / HIDDEN_DIR
     if plan.shard and hidden.is_dir() and next(os.scandir(hidden), None) is not None:
         log(
