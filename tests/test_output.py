@@ -409,17 +409,19 @@ def test_the_same_model_in_another_folder_is_the_same_model_and_a_changed_weight
 
     here, there = tmp_path / "node0" / "m", tmp_path / "node1" / "models" / "m"
     here.mkdir(parents=True)
-    (here / "config.json").write_text('{"hidden_size": 8}')
+    (here / "config.json").write_text('{"hidden_size": 8, "auto_map": {"AutoModel": "modeling_m.M"}}')
+    (here / "modeling_m.py").write_text("class M: ...")
     weights = bytes(range(256)) * 16384  # 4 MiB
     (here / "model-00001-of-00001.safetensors").write_bytes(weights)
     (here / "notes.md").write_text("the user's")
     (here / "train.py").write_text("# the user's script")
     shutil.copytree(here, there)
     (there / "notes.md").write_text("changed, and not the model's")
-    (there / "train.py").write_text("# changed: run only with --trust-remote-code")
+    (there / "train.py").write_text("# changed, and no module of the model's")
     assert model_sha256(here) == model_sha256(there)
-    assert model_sha256(here, code=True) != model_sha256(there, code=True)
-    (there / "train.py").write_text("# the user's script")
+    (there / "modeling_m.py").write_text("class M: pass  # the model's own code, named by auto_map")
+    assert model_sha256(here) != model_sha256(there)
+    (there / "modeling_m.py").write_text("class M: ...")
 
     def record(k: int, model) -> dict:
         return {"shard": f"{k}/2", "identity": {"model": str(model), "model_sha256": model_sha256(model), "dtype": "x"}}
@@ -444,3 +446,6 @@ def test_the_same_model_in_another_folder_is_the_same_model_and_a_changed_weight
     earlier = {"shard": "1/2", "identity": {"model": str(there), "dtype": "x"}}  # an earlier release's: no digest
     with pytest.raises(ExtractError, match=r"ran with a different model \("):
         same_settings(tmp_path, [record(0, here), earlier])
+    edited = {**record(1, here), "identity": {**record(1, here)["identity"], "model_sha256": "0" * 64}}
+    with pytest.raises(ExtractError, match=rf"a different model \(the files in {here} changed since: weights, or"):
+        same_settings(tmp_path, [record(0, here), edited])

@@ -252,7 +252,7 @@ class EngineLoop(threading.Thread):
                         for job in fresh:
                             del self._inflight[job.index]
                             self._finished.append(job.index)  # announced: the workers are told it will not run
-                        self._held, fresh = fresh, []
+                        self._held, fresh = fresh + self._held, []
                     self._add(engine, fresh)
                     if self._running:
                         self._finished += self._step(engine)

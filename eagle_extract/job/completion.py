@@ -265,9 +265,12 @@ def _merge(output: Path) -> dict:
             f"shard(s) {names} of {output} have not finished; run them (--shard {missing[0]}/{num}), then merge again"
         )
     same_settings(output, [runs[k] for k in range(num)])
-    # the shards may have read the model from other folders (other nodes): take a shard's whose folder is here
-    here = [r for r in runs.values() if isinstance(r.get("config"), dict) and Path(str(r["config"]["model"])).is_dir()]
-    summary = here[0] if here else summary
+    # the shards may have read the model (and data) from other folders, on other nodes: take a shard's found here
+    def found(run: dict) -> int:
+        config = run.get("config") if isinstance(run.get("config"), dict) else {}
+        return Path(str(config.get("model"))).is_dir() + Path(str(config.get("data"))).exists()
+
+    summary = max(runs.values(), key=found, default=summary)
     config = ExtractConfig.from_options(**{**summary["config"], "output": output})
     if config.data is not None and not Path(config.data).exists():
         raise ExtractError(

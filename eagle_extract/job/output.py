@@ -78,6 +78,8 @@ def other_releases(output: Path, identity: dict, shard: tuple[int, int] | None) 
 
 def different(key: str, old: dict, new: dict, word: str = "now") -> str:
     """How a message names one changed identity key: the model's digest by the two folders it was taken in."""
+    if key == "model_sha256" and old.get("model") == new.get("model"):
+        return f"a different model (the files in {old.get('model')} changed since: weights, or a JSON file there)"
     if key == "model_sha256":
         return f"a different model (the files in {old.get('model')} and in {new.get('model')} differ)"
     return f"a different {key} ({old.get(key)!r}, {word} {new.get(key)!r})"

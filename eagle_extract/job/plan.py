@@ -102,7 +102,7 @@ def identity(cfg: ExtractConfig, shape: ModelShape, aux_ids: list[int], tokenize
     return _as_json(
         {
             "model": str(Path(cfg.model).resolve()),  # compared only where a record lacks model_sha256
-            "model_sha256": model_sha256(Path(cfg.model), cfg.trust_remote_code),
+            "model_sha256": model_sha256(Path(cfg.model)),
             "engine_args": {k: v for k, v in sorted(cfg.engine_args.items()) if k not in FREE_ARGS},
             "decoder_path": cfg.decoder_path,
             "tokenizer_sha256": tokenizer_sha256(cfg, tokenizer),
@@ -155,20 +155,23 @@ def releases() -> dict:
 WINDOWS, WINDOW = 32, 1 << 16  # windows a weight file is sampled at (its start and end among them), bytes each
 
 
-def model_sha256(folder: Path, code: bool = False) -> str:
-    """Of the checkpoint's settings (every top-level JSON file but the tokenizer's, which tokenizer_sha256 holds;
-    its Python files too where `code`, --trust-remote-code, runs them) and of each weight file's name, size and
-    WINDOWS evenly spaced windows: the same checkpoint in another folder (a node that keeps it elsewhere, a moved
-    copy) gives the same digest, most fine-tunes of it do not, and 1 TB is not read whole.  A fine-tune that
-    changes only tensors between the windows is not told apart: a resume accepted on the digest alone from
-    another folder is warned of (`moved_model`)."""
+def model_sha256(folder: Path) -> str:
+    """Of the checkpoint's settings (every top-level JSON file but the tokenizer's, which tokenizer_sha256 holds),
+    of the Python modules its config's auto_map names (the model's own code, whether or not this run may run it)
+    and of each weight file's name, size and WINDOWS evenly spaced windows: the same checkpoint in another folder
+    (a node that keeps it elsewhere, a moved copy) gives the same digest, most fine-tunes of it do not, and 1 TB is
+    not read whole.  A fine-tune that changes only tensors between the windows is not told apart: a resume
+    accepted on the digest alone from another folder is warned of (`moved_model`)."""
     h = hashlib.sha256()
+    files = sorted(folder.iterdir()) if folder.is_dir() else []
+    code = _auto_map_modules(folder / "config.json")
+    file = folder
     try:
-        for file in sorted(folder.iterdir()) if folder.is_dir() else []:
+        for file in files:
             name = file.name
             if not file.is_file() or TOKENIZER_FILES.fullmatch(name):
                 continue
-            if name.endswith(".json") or code and name.endswith(".py"):
+            if name.endswith(".json") or name in code:
                 h.update(name.encode() + b"\0" + file.read_bytes())
             elif any(file.match(pattern) for pattern in preflight.WEIGHTS):
                 size = file.stat().st_size
@@ -178,8 +181,18 @@ def model_sha256(folder: Path, code: bool = False) -> str:
                         f.seek(k * max(0, size - WINDOW) // (WINDOWS - 1))
                         h.update(f.read(WINDOW))
     except OSError as exc:
-        raise ExtractError(f"--model {folder}: cannot read {exc.filename} ({exc.strerror}); check its files") from None
+        raise ExtractError(f"--model {folder}: cannot read {file} ({exc.strerror}); check its files") from None
     return h.hexdigest()
+
+
+def _auto_map_modules(config: Path) -> set[str]:
+    """The files of the modules config.json's auto_map names ("modeling_x.Class", "org/repo--modeling_x.Class")."""
+    try:
+        auto_map = json.loads(config.read_text()).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return set()
+    names = [v for value in auto_map.values() for v in (value if isinstance(value, list) else [value])]
+    return {f"{n.rpartition('--')[2].partition('.')[0]}.py" for n in names if isinstance(n, str) and "." in n}
 
 
 def sha256(path: Path) -> str:
