@@ -14,8 +14,9 @@ rows. With --sync it also waits for `os.sync()` (the folder's entries and anythi
 also measures the disk's own sustained sequential write rate in the same folder (as many files in
 parallel as writer threads, fsynced), so the writer's GB/s is reported as a fraction of the disk's.
 Prints one table: tokens/s (median, min, max), the b/a ratio (median of per-repetition ratios),
-bytes per token, GB/s written, the capture's peak host-memory budget use and the peak resident
-memory of the whole process tree.
+bytes per token, GB/s written, the capture's peak host-memory budget use, the time b's clock spent in
+its two RPCs (announcing the rows before generate; the drain after it, which waits for the writes) and
+the peak resident memory of the whole process tree.
 
 --leave-out write,copy,store adds b variants that stop the capture short, to place its cost by
 differences: `write` drops each finished row unwritten; `copy` also keeps each step's states off the
@@ -316,6 +317,7 @@ def main() -> None:
         runs = [(d, n, "") for d in args.storage_dtypes.split(",") for n in threads]
         runs += [(d, threads[0], stop) for d in args.storage_dtypes.split(",") for stop in stops]
         by_run: dict[tuple[str, int, str], list[float]] = {r: [] for r in runs}
+        rpc_s: dict[tuple[str, int, str], list[tuple[float, float]]] = {r: [] for r in runs}  # expect, drain
         written: dict[tuple[str, int, str], int] = {}
         host_peak: dict[tuple[str, int, str], int] = {}
         plain, vllm_own, vllm_written, disk = [], [], [], []
@@ -334,11 +336,14 @@ def main() -> None:
                     llm.collective_rpc(leave_out, args=(stop,))
                 t = time.perf_counter()
                 llm.collective_rpc("eagle_expect", args=([(i, p) for i, p in enumerate(prompts)],))
+                t_generate = time.perf_counter()
                 llm.generate(batch, params, use_tqdm=False)
+                t_drain = time.perf_counter()
                 reports = [r for r in llm.collective_rpc("eagle_drain", args=(True,)) if r]
                 if args.sync:
                     os.sync()
                 by_run[storage, n, stop].append(tokens / (time.perf_counter() - t))
+                rpc_s[storage, n, stop].append((t_generate - t, time.perf_counter() - t_drain))
                 llm.collective_rpc("eagle_remove")
                 assert not reports[0]["errors"] and len(reports[0]["written"]) == (0 if stop else args.prompts), (
                     reports[0]["errors"]
@@ -400,6 +405,8 @@ def main() -> None:
                 "write_GBps": None if r[2] else gbps(r),
                 "of_disk": gbps(r) / statistics.median(disk) if disk and not r[2] else None,
                 "host_peak_GiB": host_peak[r] / 2**30,
+                "expect_rpc_s": [e for e, _ in rpc_s[r]],
+                "drain_rpc_s": [d for _, d in rpc_s[r]],
             }
             for r, v in by_run.items()
         },
@@ -412,16 +419,20 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         **figures_hf,
     }
-    print("\n| run | tokens/s median (min-max) | b/a | GB/s written | of the disk's | peak host budget use |")
-    print(f"|---|---|---|---|---|---|\n| a: plain generate(max_tokens=1) | {stats(plain)} | 1 | | | |")
+    print(
+        "\n| run | tokens/s median (min-max) | b/a | GB/s written | of the disk's | peak host budget use "
+        "| expect, drain RPC ms |"
+    )
+    print(f"|---|---|---|---|---|---|---|\n| a: plain generate(max_tokens=1) | {stats(plain)} | 1 | | | | |")
     for r, v in by_run.items():
         each = [b / a for a, b in zip(plain, v)]
         ratio = f"{statistics.median(each):.3f} ({', '.join(f'{x:.3f}' for x in each)})"
         share = f"{gbps(r) / statistics.median(disk):.2f}" if disk and not r[2] else "-"
         rate = "-" if r[2] else f"{gbps(r):.2f}"
+        expect_ms, drain_ms = (statistics.median(x) * 1e3 for x in zip(*rpc_s[r]))
         print(
             f"| b: eagle-extract, {label(r)}{', synced' if args.sync else ''} | {stats(v)} | {ratio} | "
-            f"{rate} | {share} | {host_peak[r] / 2**30:.2f} GiB |"
+            f"{rate} | {share} | {host_peak[r] / 2**30:.2f} GiB | {expect_ms:.1f}, {drain_ms:.1f} |"
         )
     if disk:
         spread = f"{statistics.median(disk):.2f} ({min(disk):.2f}-{max(disk):.2f})"
