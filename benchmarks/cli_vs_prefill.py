@@ -75,8 +75,8 @@ def prefill_here(args) -> None:
     from transformers import AutoConfig
     from vllm import SamplingParams, TokensPrompt
 
-    from eagle_extract.faces.cli import parse_engine_args
     from eagle_extract.config import ExtractConfig
+    from eagle_extract.faces.cli import parse_engine_args
     from eagle_extract.job.engine import start_engine
 
     cfg = ExtractConfig(model=args.model, dtype=args.dtype, batch_size=args.batch_size,

@@ -76,7 +76,10 @@ def fill(stores: list[TokenStore], rows: int, chunks: list[list]) -> None:
     for k in range(total):
         for s in chunks[k % len(chunks)]:
             row = s.row + k * CHUNK_ROWS
-            shifted = Sample(row, s.input_ids, s.loss_mask, s.truncated) if isinstance(s, Sample) else Skipped(row, s.reason)
+            if isinstance(s, Sample):
+                shifted = Sample(row, s.input_ids, s.loss_mask, s.truncated)
+            else:
+                shifted = Skipped(row, s.reason)
             pending[row % n].append(shifted)
         for store, got in zip(stores, pending):
             if len(got) >= CHUNK_ROWS or (k == total - 1 and got):
@@ -97,7 +100,8 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     rng = random.Random(0)
-    chunks = [chunk(rng, 0) for _ in range(4)]  # made once (rows 0-511, shifted): the appends, not the making, are timed
+    # made once (rows 0-511, shifted): the appends, not the making, are timed
+    chunks = [chunk(rng, 0) for _ in range(4)]
     for rows in a.rows:
         shutil.rmtree(a.work, ignore_errors=True)
         out = a.work / "out"

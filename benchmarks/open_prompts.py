@@ -35,7 +35,10 @@ def main() -> None:
         whole = [rng.randrange(100, 40000) for _ in range(args.turns * args.turn_len)]
         rows += [{"input_ids": whole[: k * args.turn_len]} for k in range(1, args.turns + 1)]
     print(f"{len(rows)} rows of {args.turn_len} to {args.turns * args.turn_len} tokens, batch {args.batch_size}")
-    print("| --host-memory | budget bytes | peak bytes | peak / budget | open prompts dropped | rows run again | extract s |")
+    print(
+        "| --host-memory | budget bytes | peak bytes | peak / budget | open prompts dropped | rows run again "
+        "| extract s |"
+    )
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "turns.jsonl"

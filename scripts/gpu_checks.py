@@ -22,9 +22,9 @@ Runs on a machine with vLLM (GPU build) installed, from the repository root:
 9. with two GPUs, `pp`: `--pp 2` against `--pp 1` and against transformers, float32 (SmolLM2, the
    tiny Qwen3-MoE, the Aria wrapper).
 10. `kimi-int4` (one GPU): Kimi-K2.5 as released (benchmarks/configs/kimi-k2.5: the multimodal wrapper,
-   INT4 routed experts) cut to 12 layers (`--kimi-layers`; 8 on vLLM 0.34), dummy weights, through the CLI (verify, [T, 4, 7168] rows, the
-   wrapper in the manifest); `kimi-int4-bench`: the same timed against plain prefill in bf16 and FP8
-   storage, fsynced;
+   INT4 routed experts) cut to 12 layers (`--kimi-layers`; 8 on vLLM 0.34), dummy weights, through the CLI
+   (verify, [T, 4, 7168] rows, the wrapper in the manifest); `kimi-int4-bench`: the same timed against
+   plain prefill in bf16 and FP8 storage, fsynced;
    `kimi-int4-vs-bf16`: the same at 4 layers with INT4 and with bf16 experts, one engine after the other.
 11. `builtin` (GPU): SmolLM2 bf16 rows, one request per generate call, bitwise against vLLM's own
    `extract_hidden_states` with `ExampleHiddenStatesConnector` on the same token ids.
@@ -532,7 +532,8 @@ def executor_checks(work: Path, backend: str = "ray", samples: int = 300) -> Non
     check(f"smollm2 bf16, {samples} rows, multiprocess executor", lambda: (
         bool(extracted(model, data, work / "exec-mp", *with_backend("mp"))), "reference for the next checks"))
     if backend != "mp":
-        check(f"smollm2 bf16, {backend} executor: rows bitwise equal to the multiprocess executor's", same_bits(backend))
+        same = same_bits(backend)
+        check(f"smollm2 bf16, {backend} executor: rows bitwise equal to the multiprocess executor's", same)
 
     killed = work / f"exec-{backend}-killed"
 
@@ -568,7 +569,8 @@ def executor_checks(work: Path, backend: str = "ray", samples: int = 300) -> Non
             after = time.time() - t0
             time.sleep(5)
             # what the watch stops: vLLM's processes and Ray's own (ray::); Ray's daemons die with the engine core
-            alive = sorted(titles[p.pid] for p in engine if _running(p) and re.search(r"VLLM|Worker|ray::", titles[p.pid]))
+            ours = [p for p in engine if _running(p) and re.search(r"VLLM|Worker|ray::", titles[p.pid])]
+            alive = sorted(titles[p.pid] for p in ours)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
@@ -597,8 +599,9 @@ def executor_checks(work: Path, backend: str = "ray", samples: int = 300) -> Non
         resuming = re.search(r"resuming, \d+ rows already written", log)
         worst, same, ids, n = rows_compared(killed, work / "exec-mp") if rc == 0 else (0, 0, False, 0)
         return rc == 0 and bool(resuming) and same == n == samples and ids, (
-            f"rc {rc}, {time.perf_counter() - t0:.0f} s; {resuming[0] if resuming else 'no resume line'}; {same} of {n} rows bitwise equal "
-            f"to mp's; token files equal {ids}" + ("" if rc == 0 else f"; {root_cause(log)}")
+            f"rc {rc}, {time.perf_counter() - t0:.0f} s; {resuming[0] if resuming else 'no resume line'}; "
+            f"{same} of {n} rows bitwise equal to mp's; token files equal {ids}"
+            + ("" if rc == 0 else f"; {root_cause(log)}")
         )
 
     check(f"{backend} executor: the same command resumes the killed run, rows bitwise equal to mp's", resumed)
