@@ -15,8 +15,13 @@ also measures the disk's own sustained sequential write rate in the same folder 
 parallel as writer threads, fsynced), so the writer's GB/s is reported as a fraction of the disk's.
 Prints one table: tokens/s (median, min, max), the b/a ratio (median of per-repetition ratios),
 bytes per token, GB/s written, the capture's peak host-memory budget use, the time b's clock spent in
-its two RPCs (announcing the rows before generate; the drain after it, which waits for the writes) and
-the peak resident memory of the whole process tree.
+its RPCs (announcing the rows before each generate call; the drain after it, the last of which waits
+for the writes) and the peak resident memory of the whole process tree.
+
+--calls N splits each pass, a's and b's, into N generate calls, as the CLI does: b announces each call's
+rows, runs it and takes the writers' report without waiting, so the rows still being written when a call
+returns are written during the next, and only the last call waits for its writes. With one call (the
+default) that end-of-call wait is inside every pass.
 
 --leave-out write,copy,store adds b variants that stop the capture short, to place its cost by
 differences: `write` drops each finished row unwritten; `copy` also keeps each step's states off the
@@ -261,6 +266,9 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true", help="b's clock includes os.sync(); the disk is measured too")
     ap.add_argument("--num-layers", type=int, default=None, help="cut the model to its first N layers (--dummy)")
     ap.add_argument("--host-memory", type=float, default=None, help="the capture's host-memory budget, GiB")
+    ap.add_argument(
+        "--calls", type=int, default=1, help="split each pass into this many generate calls (the CLI's pattern)"
+    )
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="as the CLI's, repeatable")
     ap.add_argument(
         "--leave-out",
@@ -307,6 +315,8 @@ def main() -> None:
         start_s = time.perf_counter() - t0
         params = SamplingParams(max_tokens=1, detokenize=False)
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        size = -(-len(batch) // args.calls)
+        calls = [range(k, min(k + size, len(batch))) for k in range(0, len(batch), size)]
         llm.generate(batch[:8], params, use_tqdm=False)  # warm-up
         store = args.out.with_name(args.out.name + "-builtin")
         builtin = builtin_engine(args, aux + [text.num_hidden_layers], store, extra) if args.builtin else None
@@ -324,7 +334,8 @@ def main() -> None:
         budget = host_bytes_per_rank(args.host_memory, 1)
         for rep in range(args.reps):
             t = time.perf_counter()
-            llm.generate(batch, params, use_tqdm=False)
+            for call in calls:
+                llm.generate(batch[call.start : call.stop], params, use_tqdm=False)
             plain.append(tokens / (time.perf_counter() - t))
 
             for storage, n, stop in runs:
@@ -335,21 +346,27 @@ def main() -> None:
                 if stop:
                     llm.collective_rpc(leave_out, args=(stop,))
                 t = time.perf_counter()
-                llm.collective_rpc("eagle_expect", args=([(i, p) for i, p in enumerate(prompts)],))
-                t_generate = time.perf_counter()
-                llm.generate(batch, params, use_tqdm=False)
-                t_drain = time.perf_counter()
-                reports = [r for r in llm.collective_rpc("eagle_drain", args=(True,)) if r]
+                expect_s = drain_s = 0.0
+                reports = []
+                for k, call in enumerate(calls):  # as the CLI: announce, generate, take the report without waiting
+                    t_expect = time.perf_counter()
+                    llm.collective_rpc("eagle_expect", args=([(i, prompts[i]) for i in call],))
+                    t_generate = time.perf_counter()
+                    llm.generate(batch[call.start : call.stop], params, use_tqdm=False)
+                    t_drain = time.perf_counter()
+                    last = k == len(calls) - 1  # the last waits for every write
+                    reports += [r for r in llm.collective_rpc("eagle_drain", args=(last,)) if r][:1]  # the first writer
+                    expect_s += t_generate - t_expect
+                    drain_s += time.perf_counter() - t_drain
                 if args.sync:
                     os.sync()
                 by_run[storage, n, stop].append(tokens / (time.perf_counter() - t))
-                rpc_s[storage, n, stop].append((t_generate - t, time.perf_counter() - t_drain))
+                rpc_s[storage, n, stop].append((expect_s, drain_s))
                 llm.collective_rpc("eagle_remove")
-                assert not reports[0]["errors"] and len(reports[0]["written"]) == (0 if stop else args.prompts), (
-                    reports[0]["errors"]
-                )
+                errors = [e for r in reports for e in r["errors"]]
+                assert not errors and sum(len(r["written"]) for r in reports) == (0 if stop else args.prompts), errors
                 written[storage, n, stop] = sum(f.stat().st_size for f in (args.out / "hidden_states").iterdir())
-                peak = max(host_peak.get((storage, n, stop), 0), reports[0]["stats"]["host_peak_bytes"])
+                peak = max(host_peak.get((storage, n, stop), 0), reports[-1]["stats"]["host_peak_bytes"])
                 host_peak[storage, n, stop] = peak
             if args.sync:
                 shutil.rmtree(args.out, ignore_errors=True)
@@ -390,6 +407,7 @@ def main() -> None:
         "prompts": args.prompts,
         "prompt_len": args.prompt_len,
         "reps": args.reps,
+        "calls": len(calls),
         "sync": args.sync,
         "slots": aux + [text.num_hidden_layers],
         "engine_start_s": round(start_s, 1),
