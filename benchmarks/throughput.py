@@ -279,6 +279,8 @@ def main() -> None:
     stops = [x for x in args.leave_out.split(",") if x]
     if set(stops) - set(STOPPED):
         ap.error(f"--leave-out takes write, copy and store, not {args.leave_out!r}")
+    if not 1 <= args.calls <= args.prompts:
+        ap.error(f"--calls {args.calls}: give from 1 to --prompts ({args.prompts}) generate calls a pass")
     if stops:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the callables above travel to the worker
     if args.num_layers:
@@ -315,8 +317,8 @@ def main() -> None:
         start_s = time.perf_counter() - t0
         params = SamplingParams(max_tokens=1, detokenize=False)
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        size = -(-len(batch) // args.calls)
-        calls = [range(k, min(k + size, len(batch))) for k in range(0, len(batch), size)]
+        n = len(batch)
+        calls = [range(k * n // args.calls, (k + 1) * n // args.calls) for k in range(args.calls)]  # sizes within 1
         llm.generate(batch[:8], params, use_tqdm=False)  # warm-up
         store = args.out.with_name(args.out.name + "-builtin")
         builtin = builtin_engine(args, aux + [text.num_hidden_layers], store, extra) if args.builtin else None
