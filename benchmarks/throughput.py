@@ -15,13 +15,15 @@ also measures the disk's own sustained sequential write rate in the same folder 
 parallel as writer threads, fsynced), so the writer's GB/s is reported as a fraction of the disk's.
 Prints one table: tokens/s (median, min, max), the b/a ratio (median of per-repetition ratios),
 bytes per token, GB/s written, the capture's peak host-memory budget use, the time b's clock spent in
-its RPCs (announcing the rows before each generate call; the drain after it, the last of which waits
-for the writes) and the peak resident memory of the whole process tree.
+its RPCs, summed over a pass (announcing the rows before each generate call; the drain after each, which
+does not wait), the wait for the last writes at the pass's end, and the peak resident memory of the whole
+process tree.
 
---calls N splits each pass, a's and b's, into N generate calls, as the CLI does: b announces each call's
-rows, runs it and takes the writers' report without waiting, so the rows still being written when a call
-returns are written during the next, and only the last call waits for its writes. With one call (the
-default) that end-of-call wait is inside every pass.
+b runs as the CLI does: it announces each call's rows, runs the call and takes the writers' report without
+waiting, and waits for the writes once, after its last call. b's rate counts that wait; "b before the last
+wait" leaves it out. --calls N splits each pass, a's and b's (not d's: refused with --builtin), into N
+generate calls, so the rows still being written when a call returns are written during the next: with
+many calls, "before the last wait" is the steady state of a long run, whose last wait comes once.
 
 --leave-out write,copy,store adds b variants that stop the capture short, to place its cost by
 differences: `write` drops each finished row unwritten; `copy` also keeps each step's states off the
@@ -281,6 +283,8 @@ def main() -> None:
         ap.error(f"--leave-out takes write, copy and store, not {args.leave_out!r}")
     if not 1 <= args.calls <= args.prompts:
         ap.error(f"--calls {args.calls}: give from 1 to --prompts ({args.prompts}) generate calls a pass")
+    if args.calls > 1 and args.builtin:
+        ap.error("--calls with --builtin: d runs one generate call a pass; leave one of them out")
     if stops:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the callables above travel to the worker
     if args.num_layers:
@@ -329,7 +333,9 @@ def main() -> None:
         runs = [(d, n, "") for d in args.storage_dtypes.split(",") for n in threads]
         runs += [(d, threads[0], stop) for d in args.storage_dtypes.split(",") for stop in stops]
         by_run: dict[tuple[str, int, str], list[float]] = {r: [] for r in runs}
-        rpc_s: dict[tuple[str, int, str], list[tuple[float, float]]] = {r: [] for r in runs}  # expect, drain
+        # seconds a pass: announcing, the drains that do not wait, the last wait
+        rpc_s: dict[tuple[str, int, str], list[tuple[float, float, float]]] = {r: [] for r in runs}
+        steady: dict[tuple[str, int, str], list[float]] = {r: [] for r in runs}  # tokens/s before the last wait
         written: dict[tuple[str, int, str], int] = {}
         host_peak: dict[tuple[str, int, str], int] = {}
         plain, vllm_own, vllm_written, disk = [], [], [], []
@@ -350,20 +356,22 @@ def main() -> None:
                 t = time.perf_counter()
                 expect_s = drain_s = 0.0
                 reports = []
-                for k, call in enumerate(calls):  # as the CLI: announce, generate, take the report without waiting
+                for call in calls:  # as the CLI: announce, generate, take the report without waiting
                     t_expect = time.perf_counter()
                     llm.collective_rpc("eagle_expect", args=([(i, prompts[i]) for i in call],))
                     t_generate = time.perf_counter()
                     llm.generate(batch[call.start : call.stop], params, use_tqdm=False)
                     t_drain = time.perf_counter()
-                    last = k == len(calls) - 1  # the last waits for every write
-                    reports += [r for r in llm.collective_rpc("eagle_drain", args=(last,)) if r][:1]  # the first writer
+                    reports += [r for r in llm.collective_rpc("eagle_drain", args=(False,)) if r][:1]  # first writer
                     expect_s += t_generate - t_expect
                     drain_s += time.perf_counter() - t_drain
+                t_wait = time.perf_counter()
+                reports += [r for r in llm.collective_rpc("eagle_drain", args=(True,)) if r][:1]  # every write done
                 if args.sync:
                     os.sync()
                 by_run[storage, n, stop].append(tokens / (time.perf_counter() - t))
-                rpc_s[storage, n, stop].append((expect_s, drain_s))
+                steady[storage, n, stop].append(tokens / (t_wait - t))
+                rpc_s[storage, n, stop].append((expect_s, drain_s, time.perf_counter() - t_wait))
                 llm.collective_rpc("eagle_remove")
                 errors = [e for r in reports for e in r["errors"]]
                 assert not errors and sum(len(r["written"]) for r in reports) == (0 if stop else args.prompts), errors
@@ -425,8 +433,11 @@ def main() -> None:
                 "write_GBps": None if r[2] else gbps(r),
                 "of_disk": gbps(r) / statistics.median(disk) if disk and not r[2] else None,
                 "host_peak_GiB": host_peak[r] / 2**30,
-                "expect_rpc_s": [e for e, _ in rpc_s[r]],
-                "drain_rpc_s": [d for _, d in rpc_s[r]],
+                "before_last_wait_tok_s": steady[r],
+                "before_last_wait_ratios": [b / a for a, b in zip(plain, steady[r])],
+                "expect_rpc_s": [e for e, _, _ in rpc_s[r]],  # summed over the pass's calls
+                "drain_rpc_s": [d for _, d, _ in rpc_s[r]],
+                "last_wait_s": [w for _, _, w in rpc_s[r]],
             }
             for r, v in by_run.items()
         },
@@ -440,19 +451,21 @@ def main() -> None:
         **figures_hf,
     }
     print(
-        "\n| run | tokens/s median (min-max) | b/a | GB/s written | of the disk's | peak host budget use "
-        "| expect, drain RPC ms |"
+        f"\n{len(calls)} generate call(s) a pass\n| run | tokens/s median (min-max) | b/a | b/a before the last wait "
+        "| GB/s written | of the disk's | peak host budget use | expect, drain RPC ms a pass | last wait ms |"
     )
-    print(f"|---|---|---|---|---|---|---|\n| a: plain generate(max_tokens=1) | {stats(plain)} | 1 | | | | |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| a: plain generate(max_tokens=1) | {stats(plain)} | 1 | | | | | | |")
     for r, v in by_run.items():
         each = [b / a for a, b in zip(plain, v)]
         ratio = f"{statistics.median(each):.3f} ({', '.join(f'{x:.3f}' for x in each)})"
         share = f"{gbps(r) / statistics.median(disk):.2f}" if disk and not r[2] else "-"
         rate = "-" if r[2] else f"{gbps(r):.2f}"
-        expect_ms, drain_ms = (statistics.median(x) * 1e3 for x in zip(*rpc_s[r]))
+        expect_ms, drain_ms, wait_ms = (statistics.median(x) * 1e3 for x in zip(*rpc_s[r]))
+        before = statistics.median(b / a for a, b in zip(plain, steady[r]))
         print(
-            f"| b: eagle-extract, {label(r)}{', synced' if args.sync else ''} | {stats(v)} | {ratio} | "
-            f"{rate} | {share} | {host_peak[r] / 2**30:.2f} GiB | {expect_ms:.1f}, {drain_ms:.1f} |"
+            f"| b: eagle-extract, {label(r)}{', synced' if args.sync else ''} | {stats(v)} | {ratio} | {before:.3f} | "
+            f"{rate} | {share} | {host_peak[r] / 2**30:.2f} GiB | {expect_ms:.1f}, {drain_ms:.1f} | {wait_ms:.1f} |"
         )
     if disk:
         spread = f"{statistics.median(disk):.2f} ({min(disk):.2f}-{max(disk):.2f})"
