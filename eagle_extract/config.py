@@ -7,6 +7,7 @@ the range checks (preflight.check_ranges) are made from the fields; tests/test_c
 to them.  Also the extraction's record form, as the manifest and a `--dp` replica's command line hold it.
 """
 
+import os
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path, PurePath
@@ -240,8 +241,11 @@ class ExtractConfig:
         return cls(**options)
 
     def record(self) -> dict:
-        """Plain JSON data, as the manifest and the shard summaries hold it (never with --overwrite)."""
-        return {**asdict(self), "data": str(self.data), "output": str(self.output), "overwrite": False}
+        """Plain JSON data, as the manifest and the shard summaries hold it (never with --overwrite); paths made
+        absolute, so that a repair or a merge run from another folder finds them."""
+        model = os.path.abspath(self.model) if os.path.exists(self.model) else self.model
+        absolute = {"data": os.path.abspath(self.data), "output": os.path.abspath(self.output), "model": model}
+        return {**asdict(self), **absolute, "overwrite": False}
 
     @property
     def legacy(self) -> bool:

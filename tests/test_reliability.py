@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file, save_file
@@ -88,6 +89,37 @@ def test_verify_finds_every_damage_and_repair_fixes_it(tmp_path, tiny_tp1_out):
     assert hidden_state_path(out, 5).stat().st_mtime_ns == untouched  # only broken rows were redone
     assert read_manifest(out)["resumed_rows"] == read_manifest(out)["num_samples"] - 4
     _assert_same_output(out, tiny_tp1_out)
+
+
+def test_a_repair_that_cannot_run_changes_nothing(tmp_path, tiny_tp1_out):
+    """The recorded data moved away, then edited: each repair is refused before a file is deleted."""
+    from eagle_extract import repair
+    from eagle_extract.errors import ExtractError
+    from eagle_extract.files.manifest import write_manifest
+
+    out = tmp_path / "damaged"
+    shutil.copytree(tiny_tp1_out, out)
+    manifest = read_manifest(out)
+    data = tmp_path / "moved" / Path(manifest["config"]["data"]).name
+    data.parent.mkdir()
+    shutil.copy(manifest["config"]["data"], data)
+    write_manifest(out, {**manifest, "config": {**manifest["config"], "data": str(data)}})
+    hidden_state_path(out, 1).unlink()
+    before = sorted(p.name for p in out.rglob("*"))
+
+    data.rename(data.with_suffix(".away"))
+    with pytest.raises(ExtractError, match=r"cannot repair .*: its recorded extraction cannot run again here \(.*"
+                       r"\); nothing was changed$"):  # fmt: skip
+        repair(out, [1])
+    assert sorted(p.name for p in out.rglob("*")) == before
+    data.with_suffix(".away").rename(data)
+    with data.open("a") as f:
+        f.write(data.read_text().splitlines()[0] + "\n")
+    with pytest.raises(ExtractError, match=r"would now run with a different data_sha256 .*nothing was changed\)$"):
+        repair(out, [1])
+    assert sorted(p.name for p in out.rglob("*")) == before
+    proc = run_cli("verify", str(out), check=False)
+    assert proc.returncode == 1 and "1 problem(s)" in proc.stderr.splitlines()[-1], proc.stderr
 
 
 def _fill(disk, leave: int):

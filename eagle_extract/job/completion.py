@@ -305,8 +305,28 @@ def reopen(output: Path, rows: list[int]) -> ExtractConfig:
     folder = next((p for p in paths if p.is_dir()), None)
     if folder is not None:
         raise ExtractError(f"{folder} is a folder, not a row file; move it away, then run the repair again")
+    cfg = ExtractConfig.from_options(**{**manifest.config, "output": output, "shard": None})
+    _check_rerun(output, cfg, manifest.identity)
     for path in paths:
         path.unlink(missing_ok=True)
     write_record(output / RUN_FILE, manifest.identity)  # the output is an unfinished run again ...
     (output / MANIFEST).unlink()  # ... and no longer looks complete
-    return ExtractConfig.from_options(**{**manifest.config, "output": output, "shard": None})
+    return cfg
+
+
+def _check_rerun(output: Path, cfg: ExtractConfig, recorded: dict) -> None:
+    """The recorded extraction can run again as it ran (its model, data and options found and unchanged): checked
+    before a repair deletes anything, so a repair that cannot run leaves the complete output as it was."""
+    try:
+        identity = make_plan(cfg).identity
+    except ExtractError as exc:
+        raise ExtractError(
+            f"cannot repair {output}: its recorded extraction cannot run again here ({exc}); nothing was changed"
+        ) from None
+    changed = identity_changes(recorded, identity)
+    if changed:
+        why = "; ".join(different(k, recorded, identity) for k in changed)
+        raise ExtractError(
+            f"cannot repair {output}: its recorded extraction would now run with {why}; restore what changed, or "
+            "extract again into a new --output (nothing was changed)"
+        )

@@ -244,7 +244,7 @@ def replace_complete(staged: Path, output: Path) -> dict:
             for entry in sorted(new, key=lambda e: e.name == MANIFEST):
                 if entry.name == MANIFEST:
                     manifest = json.loads(entry.read_text())
-                    manifest["config"]["output"] = str(output)
+                    manifest["config"]["output"] = os.path.abspath(output)
                     write_manifest(output, manifest)
                     entry.unlink()
                 else:
