@@ -23,7 +23,13 @@ class LayerError(ExtractError, ValueError):
 
 
 def default_aux_ids(num_layers: int) -> list[int]:
-    return sorted({2, num_layers // 2, num_layers - 3})
+    ids = sorted({2, num_layers // 2, num_layers - 3})
+    if ids[0] < 0 or ids[-1] >= num_layers:  # under 3 layers the EAGLE-3 ids fall outside the model
+        raise LayerError(
+            f"a {num_layers}-layer model has no default --layers (EAGLE-3's 2, n//2 and n-3 give {ids}); "
+            f"pass --layers with ids from 0 to {num_layers - 1}"
+        )
+    return ids
 
 
 def parse_layer_ids(text: str | None, num_layers: int) -> list[int]:

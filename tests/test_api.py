@@ -86,3 +86,18 @@ def test_cli_and_api_share_names_and_defaults():
         "quantization": "fp8",
     }
     assert extract_command.make_context("extract", ["--no-disk-check"]).params["check_disk"] is False
+
+
+def test_a_model_too_shallow_for_the_default_layers_is_refused_before_the_engine(tmp_path):
+    from .tiny_models import BASE
+
+    model = tmp_path / "two-layer"
+    model.mkdir()
+    config = {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2}
+    (model / "config.json").write_text(json.dumps(config))
+    data = str(SAMPLE_DATA / "sharegpt_dummy_conversations.json")
+    cli = run_cli("--model", str(model), "--data", data, "--output", str(tmp_path / "out"), check=False)
+    last = cli.stderr.strip().splitlines()[-1]
+    assert cli.returncode == 1 and last.startswith("Error: a 2-layer model has no default --layers"), cli.stderr
+    assert_documented(SECTION, "a model of under 3 layers and no `--layers` (the defaults fall outside it)", last)
+    assert not (tmp_path / "out").exists()

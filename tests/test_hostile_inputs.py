@@ -260,6 +260,7 @@ ELSEWHERE = {  # cases of the doc's table another test meets: it calls assert_do
     "a slow (Python) tokenizer and a chat template without `{% generation %}` marks": "tests/test_data.py",
     "(Python API) an option the CLI does not have": "tests/test_api.py",
     "(Python API) a value the CLI would not offer": "tests/test_api.py",
+    "a model of under 3 layers and no `--layers` (the defaults fall outside it)": "tests/test_api.py",
     "not enough free disk for the estimated output": "tests/test_hostile_inputs.py",
     "the bundled model's cache folder cannot be written": "tests/test_hostile_inputs.py",
 }
