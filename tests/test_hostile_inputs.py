@@ -95,6 +95,10 @@ def _cases(tmp, model):
     (tmp / "user-link" / "hidden_states").mkdir(parents=True)
     (tmp / "user-link" / "eagle_extract.json").write_text("{}")
     (tmp / "user-link" / "hidden_states" / "theirs").symlink_to(tmp / "user-file")
+    (tmp / "dangling").symlink_to(tmp / "nowhere")
+    (tmp / "named-link").mkdir()
+    (tmp / "named-link" / "eagle_extract.json").write_text("{}")
+    (tmp / "named-link" / ".eagle_extract_replacement").symlink_to(tmp / "foreign")
     (tmp / "bad-template").mkdir()
     for f in model.iterdir():  # the same tokenizer, its chat template cut short of a closing brace
         if f.is_file() and f.name not in ("tokenizer_config.json", "chat_template.jinja"):
@@ -228,6 +232,9 @@ def _cases(tmp, model):
          "whole too)", ["--output", str(tmp / "user-parts"), "--overwrite"]),  # fmt: skip
         (f"{B}--overwrite{B} of an output whose hidden_states, shards or .pp_parts folder is a link, or holds one",
          ["--output", str(tmp / "user-link"), "--overwrite"]),  # fmt: skip
+        ("an output that is a link to a folder that does not exist", ["--output", str(tmp / "dangling")]),
+        ("an output holding a link under a name eagle-extract writes", ["--output", str(tmp / "named-link"),
+                                                                         "--overwrite"]),  # fmt: skip
         (f"{B}--overwrite{B} with {B}--data{B} inside the output, among the files that go with it (its "
          f"{B}regenerated.jsonl{B} fed back in)", ["--data", str(tmp / "regenerated" / "regenerated.jsonl"),
                                                   "--output", str(tmp / "regenerated"), "--overwrite"]),  # fmt: skip

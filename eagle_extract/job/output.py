@@ -140,6 +140,12 @@ def claimed(output: Path, shard: tuple[int, int] | None):
             raise ExtractError(
                 f"--output {output} holds files that are not an eagle-extract output; choose an empty folder"
             )
+        link = next((e for e in output.iterdir() if _ours(e) and e.is_symlink()), None)
+        if link is not None:  # eagle-extract makes none: a run would write, or --overwrite delete, through it
+            raise ExtractError(
+                f"--output {output}: {link.name} is a link (to {os.readlink(link)}), and eagle-extract writes and "
+                "deletes that name itself; move the link away, then rerun"
+            )
     output.mkdir(parents=True, exist_ok=True)
     with lock.holding(output, shard) as main_fd:
         if (output / REPLACEMENT / MANIFEST).exists() or (output / REPLACED).exists():

@@ -191,6 +191,8 @@ def _auto_map_modules(config: Path) -> set[str]:
         auto_map = json.loads(config.read_text()).get("auto_map") or {}
     except (OSError, ValueError, AttributeError):
         return set()
+    if not isinstance(auto_map, dict):  # not transformers' form: it names no module this could find
+        return set()
     names = [v for value in auto_map.values() for v in (value if isinstance(value, list) else [value])]
     return {f"{n.rpartition('--')[2].partition('.')[0]}.py" for n in names if isinstance(n, str) and "." in n}
 

@@ -7,6 +7,7 @@ the output folder's writability, and the disk space.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -206,6 +207,11 @@ def check_output_writable(output: Path) -> None:
     """Refuse an output that is a file or lies where nothing can be created, before any slow work."""
     if output.exists() and not output.is_dir():
         raise ExtractError(f"--output {output} is a file; name a folder")
+    if output.is_symlink() and not output.exists():
+        raise ExtractError(
+            f"--output {output} is a link to {os.readlink(output)}, which does not exist; create that folder, or "
+            "name another --output"
+        )
     parent = nearest_existing(output)
     try:
         tempfile.TemporaryDirectory(dir=parent).cleanup()
