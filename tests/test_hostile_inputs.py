@@ -239,6 +239,7 @@ def _cases(tmp, model):
          f"{B}regenerated.jsonl{B} fed back in)", ["--data", str(tmp / "regenerated" / "regenerated.jsonl"),
                                                   "--output", str(tmp / "regenerated"), "--overwrite"]),  # fmt: skip
         ("a layer id written with an underscore or in another script", ["--layers", "1_5"]),
+        ("an empty layer id", ["--layers", "1,,3"]),
         ("NaN where a number is expected", ["--temperature", "nan"]),
         (
             f"an unsharded run into an unfinished sharded run's output (without {B}--shard{B} or {B}--dp{B})",

@@ -173,7 +173,7 @@ def _text_rows(path: Path, gzipped: bool) -> Iterator[tuple[int, object]]:
             except UnicodeDecodeError as exc:
                 yield number, BadRow(f"line is not UTF-8 text (byte {exc.start} of the line)")
             except json.JSONDecodeError as exc:
-                yield number, BadRow(f"malformed JSON line ({exc.msg} at column {exc.colno})")
+                yield number, BadRow(f"malformed JSON line ({exc.msg}: column {exc.colno})")
             except RecursionError:
                 yield number, BadRow("JSON nested too deeply to read")
             except ValueError:  # Python reads no integer of over 4,300 digits
