@@ -449,3 +449,31 @@ def test_the_same_model_in_another_folder_is_the_same_model_and_a_changed_weight
     edited = {**record(1, here), "identity": {**record(1, here)["identity"], "model_sha256": "0" * 64}}
     with pytest.raises(ExtractError, match=rf"a different model \(the files in {here} changed since: weights, or"):
         same_settings(tmp_path, [record(0, here), edited])
+
+
+def test_merge_without_the_shards_model_says_so_in_its_own_words(tmp_path, smollm2):
+    """merge takes no --model: a model folder gone since the shards ran is named as the shards' recorded one."""
+    from eagle_extract.config import ExtractConfig
+    from eagle_extract.files import shards
+    from eagle_extract.job.completion import merge
+    from eagle_extract.job.plan import make_plan
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in smollm2.iterdir():
+        (model / f.name).symlink_to(f)
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}))
+    out = tmp_path / "o"
+    out.mkdir()
+    for k in range(2):
+        cfg = ExtractConfig(model=str(model), data=data, output=out, shard=f"{k}/2").resolved()
+        summary = {"shard": cfg.shard, "identity": make_plan(cfg, engine=False).identity, "config": cfg.record()}
+        shards.record_finished(out, (k, 2), summary)
+    shutil.rmtree(model)
+    with pytest.raises(ExtractError) as err:
+        merge(out)
+    assert f"--model {model}" in str(err.value)
+    case = "`merge` finds no shard's model folder here (nor one it can read)"
+    assert_documented("During the run", case, f"Error: {err.value}")
+    assert not (out / "eagle_extract.json").exists()

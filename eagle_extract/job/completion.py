@@ -277,7 +277,12 @@ def _merge(output: Path) -> dict:
             f"merging {output} reads the shards' data file {config.data} again, and it is gone; put the same "
             "file back at that path and merge again"
         )
-    plan = make_plan(config, engine=False)  # merging starts no engine: the shards checked its arguments
+    try:
+        plan = make_plan(config, engine=False)  # merging starts no engine: the shards checked its arguments
+    except ExtractError as exc:  # its words name the extraction's options, which merge does not take
+        raise ExtractError(
+            f"merging {output} reads the shards' recorded model and data again, and cannot: {exc}"
+        ) from None
     recorded = summary.get("identity")
     changed = identity_changes(recorded, plan.identity) if isinstance(recorded, dict) else []
     if changed:
