@@ -99,6 +99,9 @@ def _cases(tmp, model):
     (tmp / "named-link").mkdir()
     (tmp / "named-link" / "eagle_extract.json").write_text("{}")
     (tmp / "named-link" / ".eagle_extract_replacement").symlink_to(tmp / "foreign")
+    (tmp / "broken-link").mkdir()
+    (tmp / "broken-link" / ".eagle_extract_run.json").write_text("{}")
+    (tmp / "broken-link" / "hidden_states").symlink_to(tmp / "gone")
     (tmp / "bad-template").mkdir()
     for f in model.iterdir():  # the same tokenizer, its chat template cut short of a closing brace
         if f.is_file() and f.name not in ("tokenizer_config.json", "chat_template.jinja"):
@@ -233,8 +236,11 @@ def _cases(tmp, model):
         (f"{B}--overwrite{B} of an output whose hidden_states, shards or .pp_parts folder is a link, or holds one",
          ["--output", str(tmp / "user-link"), "--overwrite"]),  # fmt: skip
         ("an output that is a link to a folder that does not exist", ["--output", str(tmp / "dangling")]),
-        ("an output holding a link under a name eagle-extract writes", ["--output", str(tmp / "named-link"),
-                                                                         "--overwrite"]),  # fmt: skip
+        (f"{B}--overwrite{B} of an output holding a link under a name eagle-extract writes (its log, its replacement "
+         "or token store)", ["--output", str(tmp / "named-link"), "--overwrite"]),  # fmt: skip
+        ("an output holding a link under a name eagle-extract writes that leads nowhere (without "
+         f"{B}--overwrite{B}, a link that leads somewhere is followed: hidden_states on another disk)",
+         ["--output", str(tmp / "broken-link")]),  # fmt: skip
         (f"{B}--overwrite{B} with {B}--data{B} inside the output, among the files that go with it (its "
          f"{B}regenerated.jsonl{B} fed back in)", ["--data", str(tmp / "regenerated" / "regenerated.jsonl"),
                                                   "--output", str(tmp / "regenerated"), "--overwrite"]),  # fmt: skip

@@ -140,11 +140,11 @@ def claimed(output: Path, shard: tuple[int, int] | None):
             raise ExtractError(
                 f"--output {output} holds files that are not an eagle-extract output; choose an empty folder"
             )
-        link = next((e for e in output.iterdir() if _ours(e) and e.is_symlink()), None)
-        if link is not None:  # eagle-extract makes none: a run would write, or --overwrite delete, through it
+        link = next((e for e in output.iterdir() if _ours(e) and e.is_symlink() and not e.exists()), None)
+        if link is not None:  # a link the user made (hidden_states on another disk) is followed, if it leads anywhere
             raise ExtractError(
-                f"--output {output}: {link.name} is a link (to {os.readlink(link)}), and eagle-extract writes and "
-                "deletes that name itself; move the link away, then rerun"
+                f"--output {output}: {link.name} is a link to {os.readlink(link)}, which does not exist; create "
+                "that, or move the link away, then rerun"
             )
     output.mkdir(parents=True, exist_ok=True)
     with lock.holding(output, shard) as main_fd:
@@ -294,6 +294,13 @@ def refuse_foreign_files(output: Path, data: Path | None) -> None:
                 f"--overwrite: --data {data} is inside --output {output} and would be deleted with the old "
                 f"output; copy it out of {output} first and pass the copy"
             )
+    top = output.iterdir() if output.is_dir() else []
+    link = next((e for e in top if _ours(e) and e.is_symlink() and e.name not in _WHOLE), None)
+    if link is not None:  # --overwrite deletes or replaces what bears eagle-extract's names, and never through a link
+        raise ExtractError(
+            f"--overwrite: {link} is a link (to {os.readlink(link)}), and --overwrite deletes or replaces that name; "
+            "move the link away, or rerun without --overwrite"
+        )
     for name, ours in _WHOLE.items():
         folder = str(output / name)
         if os.path.islink(folder):
