@@ -41,8 +41,8 @@ def parse_layer_ids(text: str | None, num_layers: int) -> list[int]:
         part = part.strip()
         if not part:
             raise LayerError(
-                f"--layers {text!r}: an empty id (two commas together, or one at an end); give comma-separated ids "
-                "like 2,15,27"
+                f"--layers: an empty id in {text!r} (two commas together, or one at an end); give comma-separated "
+                "ids like 2,15,27"
             )
         if not re.fullmatch(r"[+-]?[0-9]+", part):  # int() would read 1_5 as 15 and ٣ as 3
             raise LayerError(f"--layers: '{part}' is not an integer; give comma-separated ids like 2,15,27")

@@ -101,3 +101,18 @@ def test_a_model_too_shallow_for_the_default_layers_is_refused_before_the_engine
     assert cli.returncode == 1 and last.startswith("Error: a 2-layer model has no default --layers"), cli.stderr
     assert_documented(SECTION, "a model of under 3 layers and no `--layers` (the defaults fall outside it)", last)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_record_holds_absolute_paths_and_an_odd_auto_map_hashes(tmp_path, monkeypatch):
+    """A repair, a merge or the trainer may run from another folder than the extraction did."""
+    from eagle_extract.job.plan import model_sha256
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"auto_map": ["modeling_x.X"]}))
+    monkeypatch.chdir(tmp_path)
+    record = ExtractConfig(model="model", data="rows.jsonl", output="out").record()
+    assert (record["model"], record["data"], record["output"]) == tuple(
+        str(tmp_path / name) for name in ("model", "rows.jsonl", "out")
+    )
+    assert ExtractConfig(model="org/name", data="rows.jsonl", output="out").record()["model"] == "org/name"
+    assert len(model_sha256(tmp_path / "model")) == 64  # an auto_map that is no mapping names no module

@@ -147,7 +147,7 @@ def repair(output, rows: list[int], log=print) -> Summary:
         raise ExtractError("no manifest to repair from: rerun the original extraction command to resume it")
     log(f"repairing {len(rows)} row(s)")
     with holding(output):  # before a file is deleted; the run inside holds it on
-        summary = Summary.of(run(completion.reopen(output, rows), log=log), output)
+        summary = Summary.of(run(completion.recorded_config(output), log=log, repair=rows), output)
     remaining = find_problems(output, progress=False)
     if remaining:
         raise ExtractError(f"{len(remaining)} problem(s) remain after repair; first: {remaining[0][1]}")

@@ -77,13 +77,14 @@ def _complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerate
         why = os.strerror(exc.errno) if exc.errno == errno.ENOSPC else exc.strerror or exc
         raise ExtractError(f"writing the dataset files in {output}: {why}; {finish}") from None
     extract_s = max(r["extract_s"] for r in runs)
+    record = cfg.record()  # the paths made absolute: the trainer and a repair may run from another folder
     manifest = Manifest(
         format=LEGACY if cfg.legacy else OFFLINE,
         states=cfg.states,
         row_checksums=True,
         identity=plan.identity,
-        config=cfg.record(),
-        model=str(cfg.model),
+        config=record,
+        model=record["model"],
         aux_layer_ids=plan.aux_ids,
         final_layer_id=shape.num_layers,
         slot_layer_ids=plan.slot_ids,
@@ -101,7 +102,7 @@ def _complete(plan: Plan, stores: list[TokenStore], runs: list[dict], regenerate
         skipped_long=counts["skipped_long"],
         regenerated=regenerated,
         source_row_ranges=rows.source_row_ranges(),
-        data={"path": str(cfg.data), "sha256": plan.identity["data_sha256"], "format": cfg.data_format},
+        data={"path": record["data"], "sha256": plan.identity["data_sha256"], "format": cfg.data_format},
         tensor_parallel_size=cfg.tp,
         pipeline_parallel_size=cfg.pp,
         engine_args=cfg.engine_kwargs(),
@@ -296,42 +297,34 @@ def _merge(output: Path) -> dict:
     return complete(plan, stores, [runs[k] for k in range(num)], None)
 
 
-def reopen(output: Path, rows: list[int]) -> ExtractConfig:
-    """Delete the given rows' files and make the output an unfinished run again; returns the recorded
-    config, whose rerun rewrites just those rows."""
-    output = Path(output)
+def recorded_config(output: Path) -> ExtractConfig:
+    """The extraction that completed `output`, for a repair to run again; nothing is changed."""
     manifest = Manifest.read(output)
     if not isinstance(manifest.identity, dict) or not isinstance(manifest.config, dict):
         raise ExtractError(
             f"{output}'s manifest, from an earlier eagle-extract, records no run to repeat; rerun the "
             "extraction with --overwrite"
         )
-    paths = [hidden_state_path(output, i, manifest.format == LEGACY) for i in rows]
-    folder = next((p for p in paths if p.is_dir()), None)
-    if folder is not None:
-        raise ExtractError(f"{folder} is a folder, not a row file; move it away, then run the repair again")
-    cfg = ExtractConfig.from_options(**{**manifest.config, "output": output, "shard": None})
-    _check_rerun(output, cfg, manifest.identity)
-    for path in paths:
-        path.unlink(missing_ok=True)
-    write_record(output / RUN_FILE, manifest.identity)  # the output is an unfinished run again ...
-    (output / MANIFEST).unlink()  # ... and no longer looks complete
-    return cfg
+    return ExtractConfig.from_options(**{**manifest.config, "output": output, "shard": None})
 
 
-def _check_rerun(output: Path, cfg: ExtractConfig, recorded: dict) -> None:
-    """The recorded extraction can run again as it ran (its model, data and options found and unchanged): checked
-    before a repair deletes anything, so a repair that cannot run leaves the complete output as it was."""
-    try:
-        identity = make_plan(cfg).identity
-    except ExtractError as exc:
-        raise ExtractError(
-            f"cannot repair {output}: its recorded extraction cannot run again here ({exc}); nothing was changed"
-        ) from None
-    changed = identity_changes(recorded, identity)
+def reopen(output: Path, rows: list[int], identity: dict) -> None:
+    """Delete the given rows' files and make the output an unfinished run again.  `run(repair=rows)` calls it
+    once it holds the output and the recorded extraction has passed every check, with that run's `identity`,
+    which must be the recorded one: a repair that cannot run changes nothing."""
+    manifest = Manifest.read(output)
+    changed = identity_changes(manifest.identity, identity)
     if changed:
-        why = "; ".join(different(k, recorded, identity) for k in changed)
+        why = "; ".join(different(k, manifest.identity, identity) for k in changed)
         raise ExtractError(
             f"cannot repair {output}: its recorded extraction would now run with {why}; restore what changed, or "
             "extract again into a new --output (nothing was changed)"
         )
+    paths = [hidden_state_path(output, i, manifest.format == LEGACY) for i in rows]
+    folder = next((p for p in paths if p.is_dir()), None)
+    if folder is not None:
+        raise ExtractError(f"{folder} is a folder, not a row file; move it away, then run the repair again")
+    for path in paths:
+        path.unlink(missing_ok=True)
+    write_record(output / RUN_FILE, manifest.identity)  # the output is an unfinished run again ...
+    (output / MANIFEST).unlink()  # ... and no longer looks complete

@@ -27,17 +27,26 @@ from ..worker.model_nav import refuse_unfound_decoder
 from ..worker.stages import PartJoiner, check_layout
 from . import output as out
 from . import preflight, regenerate, stream
-from .completion import complete, complete_shard
+from .completion import complete, complete_shard, reopen
 from .engine import start_engine
 from .plan import Plan, make_plan
 from .watch import HEARTBEAT_S, EngineWatch
 
 
-def run(cfg: ExtractConfig, log=print) -> dict:
+def run(cfg: ExtractConfig, log=print, repair: list[int] | None = None) -> dict:
     """Run a whole extraction (or one shard of it); `cfg` must be resolved().  Returns the manifest
-    when the output is complete, else this shard's summary (with "complete": False)."""
-    plan = make_plan(cfg)
+    when the output is complete, else this shard's summary (with "complete": False).  `repair`: rows of the
+    complete output that `cfg` (its recorded extraction) wrote, deleted and written again; nothing is deleted
+    before every check below has passed and the output is held."""
     output = Path(cfg.output)
+    try:
+        plan = make_plan(cfg)
+    except ExtractError as exc:
+        if repair is None:
+            raise
+        raise ExtractError(
+            f"cannot repair {output}: its recorded extraction cannot run again here ({exc}); nothing was changed"
+        ) from None
     if cfg.overwrite:
         out.refuse_foreign_files(output, cfg.data)
     if plan.shard is None and not cfg.overwrite and (output / shards.ROWS_DIR).is_dir():
@@ -58,6 +67,8 @@ def run(cfg: ExtractConfig, log=print) -> dict:
         done = set() if cfg.overwrite else completed_rows(shards.rows_folder(output, plan.shard), cfg.legacy)
         sized = _sized(plan, first, done, kept)
     with out.claimed(output, plan.shard):
+        if repair is not None:
+            reopen(output, repair, plan.identity)
         manifest = out.identical_complete(output, plan.identity, cfg.overwrite, cfg.states)
         if manifest:
             log(out.already_complete(output))
