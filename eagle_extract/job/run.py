@@ -36,8 +36,8 @@ from .watch import HEARTBEAT_S, EngineWatch
 def run(cfg: ExtractConfig, log=print, repair: list[int] | None = None) -> dict:
     """Run a whole extraction (or one shard of it); `cfg` must be resolved().  Returns the manifest
     when the output is complete, else this shard's summary (with "complete": False).  `repair`: rows of the
-    complete output that `cfg` (its recorded extraction) wrote, deleted and written again; nothing is deleted
-    before every check below has passed and the output is held."""
+    complete output that `cfg` (its recorded extraction) wrote, deleted and written again; they and the manifest
+    are deleted only once the checks made before the engine starts have passed and the output is held."""
     output = Path(cfg.output)
     try:
         plan = make_plan(cfg)
