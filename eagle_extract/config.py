@@ -231,6 +231,8 @@ class ExtractConfig:
             raise ExtractError(f"unknown option {unknown[0]!r}; the options are {', '.join(sorted(known))}")
         if isinstance(options.get("layers"), (list, tuple)):  # the API may take the ids themselves
             options["layers"] = ",".join(map(str, options["layers"]))
+        if isinstance(options.get("model"), PurePath):  # a folder, as data and output take one
+            options["model"] = str(options["model"])
         for name, value in options.items():
             _check_type(known[name], value)
         for name in ("data", "output"):
@@ -311,6 +313,14 @@ class ServeOptions:
     )
     api_key: str | None = option(
         None, help="Bearer token every request must send (for a server not on loopback).", faces=SERVE
+    )
+    max_requests: int = option(
+        1024,
+        help="Requests the server holds at once, waiting for spool room or in the engine; more are answered 503 "
+        "with Retry-After (speculators' client retries them).",
+        at_least=1,
+        error="--max-requests {value}: give the requests the server may hold at once, at least 1",
+        faces=SERVE,
     )
     served_model_name: str | None = option(  # as `vllm serve` names it
         None,

@@ -15,6 +15,15 @@ class ExtractError(Exception):
     """A failure the user can act on; the message is one line and names the fix."""
 
 
+class RequestError(Exception):
+    """One server request's failure, not the server's: answered with HTTP `status` (400 unless said) and
+    OpenAI's error body, naming the request's `param` where one is at fault."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
 ROWS_KEPT = "every completed row is kept: fix the cause and rerun the same command to resume"
 RESUMES = "every completed row is kept, and rerunning the same command resumes"
 

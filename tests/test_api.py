@@ -4,6 +4,7 @@ ExtractError with the CLI's own line, before any engine starts."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -116,3 +117,79 @@ def test_the_record_holds_absolute_paths_and_an_odd_auto_map_hashes(tmp_path, mo
     )
     assert ExtractConfig(model="org/name", data="rows.jsonl", output="out").record()["model"] == "org/name"
     assert len(model_sha256(tmp_path / "model")) == 64  # an auto_map that is no mapping names no module
+
+
+def test_repair_and_merge_of_a_complete_output_say_what_they_did_and_change_nothing_else(smollm2_bf16_out):
+    from eagle_extract import repair
+
+    before = (smollm2_bf16_out / "eagle_extract.json").stat().st_mtime_ns
+    with pytest.raises(ExtractError, match=r"^rows=None: give the row indices to repair as a list of integers"):
+        repair(smollm2_bf16_out, None)
+    with pytest.raises(ExtractError, match=r"^rows \[20, 99\]: .* has rows 0 to 19; nothing was changed$"):
+        repair(smollm2_bf16_out, [3, 99, 20])
+    said = []
+    summary = merge(smollm2_bf16_out, log=said.append)  # its last shard, or one run, completed it: a success
+    assert summary.complete and summary.rows == 20 and said == [
+        f"{smollm2_bf16_out} is already complete (check it with `eagle-extract verify {smollm2_bf16_out}`)"
+    ]
+    proc = run_cli("merge", str(smollm2_bf16_out), check=False)
+    assert proc.returncode == 0 and "is already complete" in proc.stdout, (proc.stdout, proc.stderr)
+    assert (smollm2_bf16_out / "eagle_extract.json").stat().st_mtime_ns == before
+
+
+def test_paths_the_api_takes_and_paths_no_line_can_name(tmp_path, smollm2):
+    import os
+    from pathlib import Path
+
+    assert ExtractConfig.from_options(model=Path(smollm2)).model == str(smollm2)  # as data and output take one
+    bad = os.fsdecode(b"rows\xff.jsonl")  # a name the shell passed as bytes
+    for option in ("data", "output"):
+        with pytest.raises(ExtractError) as err:
+            extract(**{option: tmp_path / bad}, model=str(smollm2))
+        assert_documented(SECTION, "a path whose name is not UTF-8", f"Error: {err.value}")
+    assert list(tmp_path.iterdir()) == []  # nothing made, no lock file
+
+
+def test_a_data_file_rewritten_while_the_run_read_it_is_never_recorded_as_read(tmp_path, smollm2):
+    from eagle_extract.job.plan import make_plan, refuse_changed_data
+
+    data = tmp_path / "rows.jsonl"
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
+    data.write_text(json.dumps(row) + "\n")
+    plan = make_plan(ExtractConfig(model=str(smollm2), data=data, output=tmp_path / "o").resolved())
+    refuse_changed_data(plan)  # unchanged
+    os.utime(data)  # touched, the same bytes: the digest says it is the same file
+    refuse_changed_data(plan)
+    data.write_text(json.dumps({**row, "messages": row["messages"][:1] + [{"role": "assistant", "content": "No"}]}))
+    with pytest.raises(ExtractError) as err:
+        refuse_changed_data(plan)
+    assert_documented("During the run", "the data file changed while the run read it (rewritten or replaced: a "
+                      "`--states none` run's seconds, a stream of hours)", f"Error: {err.value}")  # fmt: skip
+
+
+SPAWNED = """
+import multiprocessing, sys
+from eagle_extract import repair
+
+if __name__ == "__main__":  # as vLLM starts its engine: a spawned process imports this script again
+    child = multiprocessing.get_context("spawn").Process(target=print)
+    child.start()
+    child.join()
+    print("child exit", child.exitcode)
+else:
+    repair("out", [0])  # the spawned process's import reaches it, as it reaches a call without the main guard
+"""
+
+
+def test_an_api_call_reached_again_in_a_spawned_process_is_one_line_naming_the_guard(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(SPAWNED)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.stdout.strip() == "child exit 1", (proc.stdout, proc.stderr)
+    assert proc.stderr.strip().splitlines() == [
+        f"Error: eagle_extract.repair() ran again in a process vLLM started, which imports {script} anew: put the "
+        'call under `if __name__ == "__main__":`'
+    ]

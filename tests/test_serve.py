@@ -213,8 +213,7 @@ def test_an_uncollected_file_is_removed_and_a_full_spool_makes_requests_wait(smo
 
 
 def _served(server: Server) -> int:
-    with urllib.request.urlopen(server.url.removesuffix("/v1") + "/health", timeout=30) as r:
-        return json.loads(r.read())["rows"]
+    return _health(server)["rows"]
 
 
 def test_a_dataset_without_states_takes_its_kept_rows_from_disk_and_the_rest_from_the_server(
@@ -248,20 +247,105 @@ def test_a_dataset_without_states_takes_its_kept_rows_from_disk_and_the_rest_fro
     assert (out / "hidden_states" / "hs_0.safetensors").exists()  # a kept row is never deleted by the loader
 
 
-def test_sigterm_answers_the_request_in_flight_then_removes_the_spool_and_exits_0(smollm2_server):
+def _health(server: Server, headers: dict | None = None) -> dict:
+    request = urllib.request.Request(server.url.removesuffix("/v1") + "/health", headers=headers or {})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _abandon(server: Server, body: dict, after: float) -> None:
+    """A client that sends its request and goes away `after` seconds later, as a trainer's timed-out try does."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))  # fmt: skip
+        time.sleep(after)
+
+
+def _eventually(check, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_parameters_the_server_cannot_honour_and_rows_that_cannot_fit_are_refused_alone(smollm2_server):
     s = smollm2_server
-    answers = []
-    client = threading.Thread(target=lambda: answers.append(s.post("/completions", {"prompt": [9] * 300})))
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    cases = [({"prompt": [1, 2], "n": 2}, "n"), ({"prompt": [1, 2], "stream": True}, "stream"),
+             ({"prompt": [1, 2], "logprobs": 2}, "logprobs"), ({"prompt": [1, 2], "echo": True}, "echo"),
+             ({**chat, "add_generation_prompt": "false"}, "add_generation_prompt")]  # fmt: skip
+    for body, param in cases:
+        got, answer = s.post("/chat/completions" if "messages" in body else "/completions", body)
+        assert got == 400 and answer["error"]["param"] == param, (body, answer)
+    got, answer = s.post("/completions", {"prompt": [1, 2], "max_tokens": 1, "return_token_ids": True, "n": 1})
+    assert got == 200, answer  # what speculators' client sends, and defaults said aloud, are served
+    Path(answer["kv_transfer_params"]["hidden_states_path"]).unlink()
+    # a body past what the longest prompt needs is refused from its Content-Length, before it is read
+    with socket.create_connection(("127.0.0.1", s.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n{")
+        assert sock.recv(4096).split(b"\r\n")[0].endswith(b"413 Request Entity Too Large")
+    # a row larger than the whole spool (6 MB; 700 x 9,224 bytes) could never be written: refused, not queued
+    got, answer = s.post("/completions", {"prompt": [7] * 700})
+    assert got == 413 and "--spool-bytes" in answer["error"]["message"], answer
+    got, answer = s.post("/completions", {"prompt": [1, 2, 3]})  # the next request is served
+    assert got == 200
+    Path(answer["kv_transfer_params"]["hidden_states_path"]).unlink()
+    assert _eventually(lambda: _health(s)["spool_bytes"] == 0, 3)
+
+
+def test_a_client_that_goes_away_leaves_no_row_and_no_bytes_and_a_linked_row_counts_once(smollm2_server):
+    s = smollm2_server
+    before = _health(s)
+    got, answer = s.post("/completions", {"prompt": [7] * 600})  # 5.5 MB of the 6 MB spool, not collected yet
+    full = Path(answer["kv_transfer_params"]["hidden_states_path"])
+    _abandon(s, {"prompt": [21] * 200}, after=1.0)  # waits for room, then its client goes
+    assert _eventually(lambda: _health(s)["waiting_for_room"] == 0, 3)
+    full.unlink()  # collected
+    _abandon(s, {"prompt": [22] * 600}, after=0.02)  # gone while it runs: its file is removed once written
+    assert _eventually(lambda: not s.state_files() and _health(s)["spool_bytes"] == 0, 5), s.state_files()
+    after = _health(s)
+    assert after["abandoned"] - before["abandoned"] == 2, after
+    assert after["rows"] - before["rows"] == 1, after  # neither abandoned request counts as served
+    barrier = threading.Barrier(6)
+
+    def twin(_):
+        barrier.wait()
+        return s.post("/completions", {"prompt": [31] * 100})
+
+    with ThreadPoolExecutor(6) as pool:
+        paths = [Path(answer["kv_transfer_params"]["hidden_states_path"]) for _, answer in pool.map(twin, range(6))]
+    inodes = {path.stat().st_ino: path.stat().st_size for path in paths}
+    assert len(inodes) < 6  # identical prompts in flight ran once, and got links to its file
+    assert _health(s)["spool_bytes"] == sum(inodes.values())  # each file counted once, however many names
+    for path in paths:
+        path.unlink()
+
+
+def test_sigterm_answers_the_request_in_flight_refuses_the_waiting_one_then_exits_0(smollm2_server):
+    """The request in the engine is answered; the one waiting for spool room gets 503 at once."""
+    s = smollm2_server
+    got, answer = s.post("/completions", {"prompt": [7] * 560})  # 5.2 MB of the 6 MB spool, not collected
+    assert got == 200
+    answers, waiting = [], []
+    client = threading.Thread(target=lambda: answers.append(s.post("/completions", {"prompt": [9] * 80})))
+    late = threading.Thread(target=lambda: waiting.append(s.post("/completions", {"prompt": [10] * 300})))
     client.start()
-    time.sleep(0.3)
+    time.sleep(0.05)
+    late.start()
+    assert _eventually(lambda: _health(s)["waiting_for_room"] == 1, 5)
     t0 = time.monotonic()
     engine = s.engine()
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(timeout=30) == 0, "".join(s.lines)
     assert not [p for p in engine if _alive(p)]
     client.join(5)
+    late.join(5)
     assert time.monotonic() - t0 < 30
     assert answers and answers[0][0] == 200, answers
+    assert waiting and waiting[0][0] == 503 and "stopping" in waiting[0][1]["error"]["message"], waiting
     assert s.state_files() == [] and not (s.folder() / "hidden_states").exists()
     assert s.lines[-1].startswith("stopped: ")
 
@@ -377,10 +461,12 @@ def test_bad_server_options_get_one_line_before_the_engine(smollm2, tmp_path):
         assert proc.returncode == 1 and "cannot listen there" in last, (proc.stdout, proc.stderr)
         from transformers import AutoTokenizer
 
-        from eagle_extract.faces.serve import UNPARSED_TEMPLATE, BadRequest, Requests
+        from eagle_extract.errors import RequestError
+        from eagle_extract.faces.requests import UNPARSED_TEMPLATE, Requests
 
-        requests = Requests("m", AutoTokenizer.from_pretrained(bad), 100, 8, UNPARSED_TEMPLATE)
-        with pytest.raises(BadRequest, match=f"^messages: {UNPARSED_TEMPLATE}$"):
+        tokenizer = AutoTokenizer.from_pretrained(bad)
+        requests = Requests("m", tokenizer, 100, 8, len(tokenizer), UNPARSED_TEMPLATE)
+        with pytest.raises(RequestError, match=f"^messages: {UNPARSED_TEMPLATE}$"):
             requests.tokens({"messages": [{"role": "user", "content": "Hi"}]}, chat=True)
         assert requests.tokens({"prompt": [1, 2, 3]}, chat=False) == [1, 2, 3]
     # a setting vLLM refuses once the engine starts: the server's own line, naming its log, which holds the rest
@@ -395,8 +481,8 @@ def test_bad_server_options_get_one_line_before_the_engine(smollm2, tmp_path):
 
 def test_a_file_going_into_the_mooncake_store_is_never_swept_as_uncollected(tmp_path):
     """A row waiting for room in the store can wait past --spool-ttl: its file is ours, not an uncollected one."""
-    from eagle_extract.faces.serve import Spool
     from eagle_extract.files.rowfile import hidden_state_path
+    from eagle_extract.files.spool import Spool
 
     spool = Spool(tmp_path, limit=10_000, ttl=0.05)
     held, left = hidden_state_path(tmp_path, 0), hidden_state_path(tmp_path, 1)

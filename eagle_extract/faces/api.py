@@ -10,13 +10,15 @@ Every failure a user can fix is raised as `ExtractError`, with the one line the 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ExtractConfig
 from ..errors import ExtractError
 from ..files.checks import find_problems
-from ..files.manifest import MANIFEST, Manifest
+from ..files.manifest import MANIFEST, Manifest, read_manifest
 from ..job import completion
 from ..job.lock import holding
 from ..job.run import run
@@ -110,9 +112,25 @@ class Report:
         return sorted({row for row, _ in self.problems if row is not None})
 
 
+def _refuse_spawned_child(call: str) -> None:
+    """vLLM starts its engine processes by spawning, and a spawned process runs the caller's script's top level
+    again (as `__mp_main__`): a call there without the main guard would run once more, inside the engine's
+    process, and fail in its log.  It ends that process with one line instead."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            where = frame.f_globals.get("__file__") or "your script"
+            raise SystemExit(
+                f"Error: eagle_extract.{call}() ran again in a process vLLM started, which imports {where} anew: put "
+                f"the call under `if __name__ == \"__main__\":`"
+            )
+        frame = frame.f_back
+
+
 def extract(*, log=print, **options) -> Summary:
     """Run an extraction; keyword arguments are the CLI's options (`seq_length=4096` for `--seq-length 4096`),
     with its defaults.  Rerunning the same call after an interruption resumes it."""
+    _refuse_spawned_child("extract")
     cfg = ExtractConfig.from_options(**options).resolved()
     if cfg.dp > 1:
         from ..job.replicas import run_replicas
@@ -129,22 +147,41 @@ def _folder(output) -> Path:
     return Path(output)
 
 
+def _rows_of(output: Path, rows) -> list[int]:
+    """`repair`'s rows: dataset row indices the complete output has."""
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Iterable):
+        raise ExtractError(f"rows={rows!r}: give the row indices to repair as a list of integers (verify's report "
+                           "names them)")  # fmt: skip
+    rows = list(rows)
+    if not rows or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows):
+        raise ExtractError(f"rows={rows!r}: give the row indices to repair as a non-empty list of integers")
+    count = read_manifest(output).get("num_samples")
+    outside = sorted({r for r in rows if isinstance(count, int) and not 0 <= r < count})
+    if outside:
+        raise ExtractError(f"rows {outside[:5]}{' ...' if len(outside) > 5 else ''}: {output} has rows 0 to "
+                           f"{count - 1}; nothing was changed")  # fmt: skip
+    return sorted(set(rows))
+
+
 def verify(output, progress: bool = False) -> Report:
     """Check an output file by file; returns the findings, raises nothing for a damaged output."""
     return Report(_folder(output), find_problems(_folder(output), progress=progress))
 
 
-def merge(output) -> Summary:
-    """Complete a sharded output once every shard has finished."""
-    return Summary.of(completion.merge(_folder(output)), output)
+def merge(output, log=print) -> Summary:
+    """Complete a sharded output once every shard has finished (an output already complete is returned as it
+    is)."""
+    return Summary.of(completion.merge(_folder(output), log), output)
 
 
 def repair(output, rows: list[int], log=print) -> Summary:
     """Delete the given rows' files and rerun the recorded extraction, which rewrites just those;
     raises when `verify` still finds problems afterwards."""
+    _refuse_spawned_child("repair")
     output = _folder(output)
     if not (output / MANIFEST).exists():
         raise ExtractError("no manifest to repair from: rerun the original extraction command to resume it")
+    rows = _rows_of(output, rows)
     log(f"repairing {len(rows)} row(s)")
     with holding(output):  # before a file is deleted; the run inside holds it on
         summary = Summary.of(run(completion.recorded_config(output), log=log, repair=rows), output)

@@ -43,9 +43,10 @@ class _NamedPath(click.Path):
         return super().convert(value, param, ctx)
 
 
-def click_option(f: Field, help: str | None = None):
+def click_option(f: Field, help: str | None = None, show_default: bool = True):
     """A declared option (config.option) as click's decorator: a flag for a bool, repeatable KEY=VALUE pairs
-    for the engine_args dict, else a value of the annotation's type."""
+    for the engine_args dict, else a value of the annotation's type.  `help` in place of the declared one
+    (`show_default=False` where it words the default itself)."""
     meta, name = f.metadata, option_name(f)
     help = help or meta["help"] + (f" [default: {meta['shown']}]" if meta["shown"] else "")
     kind = (get_args(f.type) or (f.type,))[0]
@@ -55,7 +56,7 @@ def click_option(f: Field, help: str | None = None):
         return click.option(name, f.name, multiple=True, metavar=meta["metavar"],
                             callback=lambda ctx, param, pairs: parse_engine_args(pairs), help=help)  # fmt: skip
     given = click.Choice(meta["choices"]) if meta["choices"] else _NamedPath(path_type=Path) if kind is Path else kind
-    shown = f.default is not None and not meta["shown"]  # else --help has the words already
+    shown = show_default and f.default is not None and not meta["shown"]  # else --help has the words already
     return click.option(name, f.name, type=given, default=f.default, show_default=shown, metavar=meta["metavar"],
                         help=help)  # fmt: skip
 
@@ -96,12 +97,18 @@ def main():
     """eagle-extract: EAGLE-3 training data from models running in vLLM."""
 
 
+SERVE_HELP = {  # options whose meaning or default differ in `serve`
+    "seq_length": "Longest prompt served, in tokens. [default: the model's context less one, at most 32767]",
+}
+
+
 def options(face: str):
     """The options command `face` takes (config.options_of) as its decorators, listed in its --help in that order."""
 
     def apply(command):
         for f in reversed(options_of(face)):
-            command = click_option(f)(command)
+            own = SERVE_HELP.get(f.name) if face == "serve" else None
+            command = click_option(f, own, show_default=own is None)(command)
         return command
 
     return apply
@@ -157,7 +164,7 @@ def serve_command(**options):
 def merge(output):
     """Complete a sharded output once every shard (--shard I/N) has finished: write the Arrow
     dataset, token_freq.pt and the manifest. Names the shards still missing."""
-    _summarise(_run_or_fail(lambda log: api.merge(output)))
+    _summarise(_run_or_fail(lambda log: api.merge(output, log)))
 
 
 def _run_or_fail(fn, *args, interrupted="interrupted; every completed row is kept: rerun the same command to resume",

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..config import StoreSettings
-from ..errors import ExtractError
+from ..errors import ExtractError, RequestError
 
 VERSION = 1  # of hs-connectors' transfer manifest
 ALIGN = 64  # each tensor's offset in the object is a multiple of this
@@ -220,6 +220,25 @@ class MooncakeObjects:
             for key in gone:
                 self._bytes -= self._objects.pop(key)[0]
             self._cond.notify_all()
+
+    def refuse_unfitting(self, nbytes: int) -> None:
+        """A row larger than the store's room for rows would wait, be refused, and be run again on each retry."""
+        if nbytes > self.limit:
+            raise RequestError(
+                f"the prompt's states take {nbytes:,} bytes, more than the Mooncake store's room for rows of "
+                f"{self.limit:,} ({SEGMENT_SHARE:.0%} of --mooncake-global-segment-gib); send a shorter prompt, or "
+                "start the server with a larger --mooncake-global-segment-gib",
+                status=413,
+                param="prompt",
+            )
+
+    def remove(self, handle: str) -> None:
+        """Remove an object nobody will collect (its client went away); its bytes are free at once."""
+        if self._store is not None and self._store.remove(handle, force=True) == 0:
+            with self._cond:
+                if handle in self._objects:
+                    self._bytes -= self._objects.pop(handle)[0]
+                self._cond.notify_all()
 
     def used(self) -> int:
         return self._bytes

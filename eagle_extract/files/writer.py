@@ -13,6 +13,7 @@ crash never leaves a partial file under a final name.
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import shutil
@@ -109,9 +110,11 @@ class BackgroundWriter:
         threads: int | None = None,
         layer_ids: list[int] | None = None,
         durable: bool = True,
+        rows_fail_alone: bool = False,
     ) -> None:
         self.output = Path(output)
         self.durable = durable
+        self.rows_fail_alone = rows_fail_alone  # a row's write failure is that row's (a server's), not the run's
         self.fp8 = fp8
         self.legacy = legacy
         self.layer_ids = layer_ids
@@ -121,6 +124,7 @@ class BackgroundWriter:
         self._lock = threading.Condition()  # guards the fields below; notified as each row is written or fails
         self.written: list[int] = []
         self.errors: list[str] = []
+        self.failed: list[tuple[int, str]] = []  # rows_fail_alone: (row, why its file could not be written)
         count = threads or default_writer_threads()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(count)]
         for t in self._threads:
@@ -166,7 +170,10 @@ class BackgroundWriter:
             else:
                 said = f"row {index}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}"
             with self._lock:
-                self.errors.append(said)
+                if self.rows_fail_alone:
+                    self.failed.append((index, _why(exc)))
+                else:
+                    self.errors.append(said)
                 self._lock.notify_all()
             return
         with self._lock:
@@ -179,10 +186,10 @@ class BackgroundWriter:
         if wait:
             self._queue.join()
         with self._lock:
-            if patience > 0 and not wait and not self.written and not self.errors:
+            if patience > 0 and not wait and not self.written and not self.errors and not self.failed:
                 self._lock.wait(patience)
-            report = {"written": self.written, "errors": list(self.errors)}
-            self.written = []
+            report = {"written": self.written, "errors": list(self.errors), "failed": self.failed}
+            self.written, self.failed = [], []
         return report
 
     def close(self) -> None:
@@ -190,6 +197,15 @@ class BackgroundWriter:
             self._queue.put(None)
         for t in self._threads:
             t.join()
+
+
+def _why(exc: BaseException) -> str:
+    """A row's write failure in a few words, for the one request it fails."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return "no space left on the spool's filesystem"
+    if isinstance(exc, OSError):
+        return f"I/O error writing the row ({exc.strerror or exc})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def write_dataset(output: Path, rows, freq: dict[int, int]) -> None:

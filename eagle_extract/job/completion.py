@@ -15,7 +15,7 @@ from ..config import LEGACY, ExtractConfig
 from ..data.store import DatasetRows, TokenStore, store_name
 from ..errors import ExtractError
 from ..files import shards
-from ..files.manifest import MANIFEST, OFFLINE, Manifest
+from ..files.manifest import MANIFEST, OFFLINE, Manifest, read_manifest
 from ..files.rowfile import HIDDEN_DIR, completed_rows, hidden_state_path
 from ..files.writer import write_dataset
 from ..layers import CONVENTION, legacy_layer_ids
@@ -243,17 +243,18 @@ def same_settings(output: Path, runs: list[dict]) -> None:
             )
 
 
-def merge(output: Path) -> dict:
+def merge(output: Path, log=print) -> dict:
     """Complete a sharded output once every shard has finished (`eagle-extract merge`); refused while
-    a shard still runs."""
+    a shard still runs.  An output already complete (its last shard merged it) is a success that says so."""
     output = Path(output)
     with lock.holding(output):
+        if (output / MANIFEST).exists():
+            log(f"{output} is already complete (check it with `eagle-extract verify {output}`)")
+            return read_manifest(output)
         return _merge(output)
 
 
 def _merge(output: Path) -> dict:
-    if (output / MANIFEST).exists():
-        raise ExtractError(f"{output} is already complete; check it with `eagle-extract verify {output}`")
     summary = shards.any_summary(output)
     if summary is None:
         raise ExtractError(f"{output} holds no finished shard; run the shards (--shard I/N) first")

@@ -30,6 +30,7 @@ class Plan:
     tokenizer: object
     identity: dict
     shard: tuple[int, int] | None
+    data_stamp: tuple = ()  # the data's files' sizes and modification times before it was hashed
 
     @property
     def slot_ids(self) -> list[int]:
@@ -60,7 +61,31 @@ def make_plan(cfg: ExtractConfig, engine: bool = True) -> Plan:
     if cfg.regenerate or cfg.data_format not in ("tokens", "text"):  # rows that render the chat template
         check_template(tokenizer)
     read_rows(cfg.data)  # a missing file, a folder that is no dataset, a format --data cannot read: before hashing it
-    return Plan(cfg, shape, aux_ids, tokenizer, identity(cfg, shape, aux_ids, tokenizer), shard)
+    stamp = data_stamp(Path(cfg.data))  # before the hash: a change while it is taken shows at the end
+    return Plan(cfg, shape, aux_ids, tokenizer, identity(cfg, shape, aux_ids, tokenizer), shard, stamp)
+
+
+def data_stamp(path: Path) -> tuple:
+    """Each data file's name, size, inode and modification time: what any rewrite changes."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return tuple((str(f), (st := f.stat()).st_size, st.st_ino, st.st_mtime_ns) for f in files)
+
+
+def refuse_changed_data(plan: Plan) -> None:
+    """Before an output is recorded as made from the data the run hashed: the data must still be that file.
+    A file rewritten while the run read it (a --states none run's seconds, a stream of hours) would else be
+    recorded by one version's digest with rows read from another."""
+    path = Path(plan.cfg.data)
+    try:
+        same = data_stamp(path) == plan.data_stamp or sha256(path) == plan.identity["data_sha256"]
+    except OSError:
+        same = False
+    if not same:
+        raise ExtractError(
+            f"--data {path} changed while the run read it (rewritten, replaced or removed since the run began), so "
+            "its rows may mix two versions and nothing records them as read: restore the file and rerun the same "
+            "command to resume, or rerun with --overwrite to extract the file as it is now"
+        )
 
 
 def model_layers(cfg: ExtractConfig) -> tuple[ModelShape, list[int]]:

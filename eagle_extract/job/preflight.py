@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..config import ExtractConfig, option_name
+from ..config import ExtractConfig, ServeOptions, option_name
 from ..errors import ExtractError
 from .engine import check_engine_args, on_gpu
 
@@ -27,6 +27,7 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     dtype: str
+    vocab_size: int | None = None  # the embedding's rows
 
 
 def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
@@ -65,6 +66,7 @@ def read_model_shape(model: str, trust_remote_code: bool) -> ModelShape:
         num_heads=heads,
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         dtype=str(dtype).removeprefix("torch."),
+        vocab_size=vocab if isinstance(vocab := getattr(text, "vocab_size", None), int) and vocab > 0 else None,
     )
 
 
@@ -133,8 +135,25 @@ def check_ranges(options) -> None:
             raise ExtractError(f"{option_name(f)} {value}: must be at least {least}")
 
 
+def check_paths(options) -> None:
+    """A path whose name is not UTF-8 (a byte the shell passed as it was) cannot be recorded in the manifest or
+    printed in a line: refused before anything is read or made."""
+    for f in fields(options):
+        value = getattr(options, f.name)
+        if isinstance(value, Path) or f.name == "model" and isinstance(value, str):
+            try:
+                str(value).encode("utf-8")
+            except UnicodeEncodeError:
+                shown = str(value).encode("utf-8", "replace").decode()
+                raise ExtractError(
+                    f"{option_name(f)} {shown}: the path holds a byte that is not UTF-8; rename the file or folder, "
+                    "or pass a link to it whose name is UTF-8"
+                ) from None
+
+
 def check_options(cfg: ExtractConfig, engine: bool = True) -> None:
     """Options out of their range, or contradicting each other, whatever the model."""
+    check_paths(cfg)
     check_ranges(cfg)
     if cfg.layers is not None and not cfg.layers.strip():
         raise ExtractError("--layers is empty; give comma-separated ids like 2,15,27, or leave it out for the defaults")
@@ -248,3 +267,31 @@ def check_disk(cfg: ExtractConfig, todo_tokens: int, per_token: int) -> tuple[in
             "free space, lower --max-samples, or pass --no-disk-check"
         )
     return expected, free
+
+
+def check_serve_options(cfg: ExtractConfig, opts: ServeOptions) -> None:
+    """`serve`'s own options, and the extraction's that the server cannot honour."""
+    if cfg.legacy:
+        raise ExtractError("--format speculators-legacy: the server writes speculators' online layout only")
+    check_paths(opts)
+    check_ranges(opts)
+    if opts.api_key is not None and not opts.api_key.strip():
+        raise ExtractError("--api-key is empty; give the bearer token clients send, or leave it out")
+    if opts.api_key is not None and not (opts.api_key.isascii() and opts.api_key.isprintable()
+                                         and opts.api_key == opts.api_key.strip()):  # fmt: skip
+        raise ExtractError(
+            "--api-key holds a character an HTTP header cannot carry (a control character such as a newline, "
+            "a non-ASCII one, or spaces at its ends); give the token alone"
+        )
+    if not opts.host.strip():
+        raise ExtractError(
+            "--host is empty, which would listen on every address; give the address to listen on (0.0.0.0 for "
+            "every one)"
+        )
+    if opts.mooncake:
+        opts.mooncake.check()
+        if cfg.fp8:
+            raise ExtractError(
+                "--storage-dtype fp8 with --transfer mooncake: speculators' Mooncake reader does not dequantise "
+                "FP8 rows; leave out --storage-dtype fp8, or use --transfer file"
+            )

@@ -29,7 +29,7 @@ from . import output as out
 from . import preflight, regenerate, stream
 from .completion import complete, complete_shard, reopen
 from .engine import start_engine
-from .plan import Plan, make_plan
+from .plan import Plan, make_plan, refuse_changed_data
 from .watch import HEARTBEAT_S, EngineWatch
 
 
@@ -202,6 +202,7 @@ def _complete(plan: Plan, store: TokenStore, this_run: dict, regenerated, log) -
     """The output completed, and its manifest; a shard: recorded as finished, and the output completed when it
     is the last (else its summary, with "complete": False)."""
     cfg = plan.cfg
+    refuse_changed_data(plan)
     if plan.shard is None:
         manifest = complete(plan, [store], [this_run], regenerated)
         out.finish_run(Path(cfg.output), None)
@@ -370,6 +371,7 @@ def drain_workers(
         "written_by": [r["written"] for r in reports],
         "redo": sorted({i for r in reports for i in r["redo"]}),  # every pipeline stage reads the same steps
         "lost": sorted({i for r in reports for i in r["lost"]}),
+        "failed": [f for r in reports for f in r.get("failed", ())],  # (row, why): rows that failed alone
         "untrusted": any(r["untrusted"] for r in reports),
         "stats": reports[0]["stats"] if reports else {},
         # every pipeline stage settles every row: the stage that lost most tells

@@ -3,7 +3,10 @@ leaving no engine process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -33,6 +36,7 @@ class EngineWatch:
     `expect_engine()` and carry a vLLM process title: Ray's workers too, when the engine started its own
     Ray instance; not those of a Ray cluster started beforehand (`ray start`), on this node or others,
     whose loss shows as vLLM's error or as a stall.  The watch's thread ends the process when it fails.
+    When this process dies without stopping its engine (SIGKILL, the OOM killer), guard.py stops it.
     """
 
     def __init__(self, stall_s: float | None = None, log_path=None) -> None:
@@ -49,6 +53,7 @@ class EngineWatch:
         self._before: set[int] | None = None  # descendants that are not the engine's; None: no engine yet
         self._last: float | None = time.monotonic()
         self._seen_ns = 0  # the heartbeat's last mtime seen
+        self._guard = None  # guard.py's process, once an engine is expected
 
     def beat(self) -> None:
         self._last = time.monotonic()
@@ -62,6 +67,12 @@ class EngineWatch:
         import psutil
 
         self._before = {p.pid for p in psutil.Process().children(recursive=True)}
+        if self._guard is None:  # the engine goes with this process, however it dies (SIGKILL too)
+            guard = [sys.executable, "-I", str(Path(__file__).with_name("guard.py")), str(os.getpid())]
+            self._guard = subprocess.Popen(
+                [*guard, *map(str, self._before)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
         if self.heartbeat is None:
             fd, name = tempfile.mkstemp(prefix="eagle_extract_heartbeat.")
             os.close(fd)
@@ -152,6 +163,14 @@ class EngineWatch:
             threading.Event().wait()
         self._stop_engine()
         self._forget_heartbeat()
+        self._dismiss_guard()
+
+    def _dismiss_guard(self) -> None:
+        """The engine is stopped: the guard ends with nothing to do."""
+        if self._guard is not None:
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                self._guard.communicate(b"done\n", timeout=5)
+            self._guard = None
 
     def _forget_heartbeat(self) -> None:
         if self.heartbeat:

@@ -19,6 +19,7 @@ class CaptureSpec:
     legacy: bool = False
     writer_threads: int | None = None
     durable: bool = True  # fsync every file (not the server's spool's, whose files live seconds)
+    rows_fail_alone: bool = False  # a row whose file cannot be written fails alone (the server's requests)
 
     def as_rpc(self) -> dict:
         return asdict(self)

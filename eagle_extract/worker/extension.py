@@ -69,6 +69,7 @@ class HiddenStateExtension:
                 threads=spec.writer_threads,
                 layer_ids=layer_ids,
                 durable=spec.durable,
+                rows_fail_alone=spec.rows_fail_alone,
             )
             budget = ByteBudget(spec.host_bytes)
             capture = StepCapture(stack, aux_ids, writer.submit, budget, fp8=spec.fp8 and whole, ids_from=model)

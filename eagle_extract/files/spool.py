@@ -1,0 +1,199 @@
+"""The server's spool: the state files speculators' trainer collects (and deletes), bounded in bytes, with
+uncollected files removed after a TTL; and, at a server's start, the folders dead servers left in it."""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from ..errors import RequestError
+from .rowfile import hidden_state_path
+
+FOLDER_PREFIX = "eagle-extract-serve."
+LOCK_NAME = "serve.lock"  # in each server's folder, flock'd for the server's life: a folder without a holder is dead
+
+
+class Spool:
+    """Our folder in the spool: state files the trainer collects (and deletes).  `reserve` waits while
+    the files written and the rows in flight would pass `limit` bytes; a file linked under several names
+    (identical prompts) counts once.  One owner, the server's janitor, `sweep`s: it sees which files the
+    trainer took and removes those uncollected after `ttl` seconds; `clear` removes every file of ours."""
+
+    def __init__(self, root: Path, limit: int, ttl: float) -> None:
+        self.root, self.limit, self.ttl = root, limit, ttl
+        self._files: dict[Path, tuple[int, float]] = {}  # written, not yet seen gone: inode, time written
+        self._inodes: dict[int, list[int]] = {}  # inode -> [bytes, names of ours linked to it]
+        self._bytes = 0  # of those files and of the rows in flight
+        self._file_bytes = 0  # of those files alone
+        self._waiting: list[object] = []  # requests waiting for room, first come first
+        self._cond = threading.Condition()
+        self.expired = 0
+
+    def used(self) -> int:
+        return self._bytes
+
+    def waiting_for_room(self) -> int:
+        return len(self._waiting)
+
+    def refuse_unfitting(self, nbytes: int) -> None:
+        """A row that could never be written: larger than the bound, or than the room its filesystem has."""
+        if nbytes > self.limit:
+            raise RequestError(
+                f"the prompt's states take {nbytes:,} bytes, more than the spool's bound of {self.limit:,} "
+                "(--spool-bytes); send a shorter prompt, or start the server with a larger --spool-bytes",
+                status=413,
+                param="prompt",
+            )
+        free = shutil.disk_usage(self.root).free - max(self._bytes - self._file_bytes, 0)  # less the rows in flight
+        if nbytes > free:
+            raise RequestError(
+                f"the prompt's states take {nbytes:,} bytes, and the spool's filesystem has {max(free, 0):,} free "
+                f"beside the rows being written ({self.root.parent}, --spool); free space there, or start the "
+                "server with a --spool on a larger filesystem",
+                status=413,
+                param="prompt",
+            )
+
+    def reserve(self, nbytes: int, give_up: threading.Event) -> None:
+        """Wait for room, in the order the requests came (small rows must not starve a long one); raises a
+        503 when `give_up` is set meanwhile (the client went away, or the server is stopping)."""
+        ticket = object()
+        with self._cond:
+            self._waiting.append(ticket)
+            try:
+                while self._waiting[0] is not ticket or self._bytes and self._bytes + nbytes > self.limit:
+                    if give_up.is_set():
+                        raise RequestError("the server is stopping, or the request was abandoned", status=503)
+                    self._cond.wait(0.5)
+            finally:
+                self._waiting.remove(ticket)
+                self._cond.notify_all()
+            self._bytes += nbytes
+
+    def written(self, path: Path, reserved: int) -> None:
+        """`path` is written, in place of `reserved` bytes held for it; a link to a file counted already adds
+        nothing."""
+        st = path.stat()
+        with self._cond:
+            counted = self._inodes.get(st.st_ino)
+            if counted:
+                counted[1] += 1
+                self._bytes -= reserved
+            else:
+                self._inodes[st.st_ino] = [st.st_size, 1]
+                self._bytes += st.st_size - reserved
+                self._file_bytes += st.st_size
+            self._files[path] = (st.st_ino, time.monotonic())
+            self._cond.notify_all()
+
+    def hold(self, path: Path) -> None:
+        """`path` is ours now, not the trainer's (going into the Mooncake store, which may make it wait for room
+        past the TTL): it is never swept, and its bytes count until it is gone."""
+        with self._cond:
+            if path in self._files:
+                self._files[path] = (self._files[path][0], math.inf)
+
+    def remove(self, path: Path) -> None:
+        """Remove a file nobody will read (its client went away); its bytes are free at once."""
+        path.unlink(missing_ok=True)
+        with self._cond:
+            self._forget(path)
+            self._cond.notify_all()
+
+    def release(self, reserved: int) -> None:
+        with self._cond:
+            self._bytes -= reserved
+            self._cond.notify_all()
+
+    def _forget(self, path: Path) -> None:
+        if path not in self._files:
+            return
+        inode, _ = self._files.pop(path)
+        counted = self._inodes[inode]
+        counted[1] -= 1
+        if not counted[1]:
+            del self._inodes[inode]
+            self._bytes -= counted[0]
+            self._file_bytes -= counted[0]
+
+    def sweep(self) -> None:
+        """See which files the trainer took; remove those older than the TTL.  The `stat`s run outside the lock
+        the requests and the engine thread need."""
+        with self._cond:
+            files = list(self._files.items())
+        now = time.monotonic()
+        gone = []
+        for path, (_, at) in files:
+            if now - at > self.ttl and path.exists():
+                path.unlink(missing_ok=True)
+                self.expired += 1
+            if not path.exists():
+                gone.append(path)
+        if gone:
+            with self._cond:
+                for path in gone:
+                    self._forget(path)
+                self._cond.notify_all()
+
+    def waiting(self) -> int:
+        """Files written and not yet collected."""
+        self.sweep()
+        return len(self._files)
+
+    def clear(self) -> None:
+        """Remove every state file of ours, written or half-written (the writer's temporary names)."""
+        shutil.rmtree(hidden_state_path(self.root, 0).parent, ignore_errors=True)
+        with self._cond:
+            self._files.clear()
+            self._inodes.clear()
+            self._bytes = self._file_bytes = 0
+            self._cond.notify_all()
+
+
+def hold_folder(folder: Path) -> int:
+    """Mark `folder` as a live server's for as long as the returned descriptor stays open (the process's life)."""
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.set_inheritable(fd, False)
+    return fd
+
+
+def sweep_dead_servers(root: Path) -> tuple[int, int]:
+    """Remove the row files that servers which died without cleaning up (SIGKILL, a power cut) left in the
+    spool `root`: in folders of ours by name, with a lock file nobody holds (their logs stay).  A live server's
+    folder, and anything else, are left alone.  Returns (folders, bytes) swept."""
+    folders = removed = 0
+    for folder in root.glob(f"{FOLDER_PREFIX}*"):
+        rows, lock = hidden_state_path(folder, 0).parent, folder / LOCK_NAME
+        if folder.is_symlink() or rows.is_symlink() or not rows.is_dir() or not lock.is_file():
+            continue
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: a live server's
+                continue
+            size = _size(rows)
+            shutil.rmtree(rows, ignore_errors=True)
+            folders, removed = folders + 1, removed + size
+        finally:
+            os.close(fd)
+    return folders, removed
+
+
+def _size(folder: Path) -> int:
+    total = 0
+    for path in folder.rglob("*"):
+        try:
+            total += path.lstat().st_size if path.is_file() and not path.is_symlink() else 0
+        except OSError:  # gone meanwhile
+            continue
+    return total

@@ -1,0 +1,88 @@
+"""The engine's guard: a small process that outlives its parent and stops the engine processes the parent
+started when the parent dies without stopping them (SIGKILL, the kernel's OOM killer), so no engine keeps
+its GPUs and memory after its server or run is gone.
+
+Run as a script (no import of the package or vLLM): `python guard.py PARENT_PID IGNORED_PID...`.  While
+the parent lives it notes, every SCAN_S, the parent's descendants that are not the ones named (those that
+were running before the engine, and itself).  A line `done` on stdin ends it with nothing stopped: the
+parent stopped its engine itself.  End of stdin without it (the parent died, its pipe closed) freezes each
+process noted, and any child they start meanwhile, then kills them all.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+
+SCAN_S = 0.5
+
+
+def _descendants(parent, ignored: set[int]) -> dict[int, object]:
+    import psutil
+
+    found = {}
+    try:
+        children = parent.children(recursive=True)
+    except psutil.Error:
+        return found
+    for proc in children:
+        if proc.pid not in ignored:
+            found[proc.pid] = proc
+    return found
+
+
+def _stop(noted: dict[int, object]) -> None:
+    """SIGSTOP what was noted and still is the same process (a pid may be reused), then their children, until
+    no new one appears; then SIGKILL them all."""
+    import psutil
+
+    frozen: dict[int, object] = {}
+    todo = list(noted.values())
+    while todo:
+        proc = todo.pop()
+        if proc.pid in frozen:
+            continue
+        try:
+            if not proc.is_running():  # compares the creation time: a reused pid is another process
+                continue
+            proc.send_signal(signal.SIGSTOP)
+            frozen[proc.pid] = proc
+            todo.extend(proc.children())
+        except psutil.Error:
+            continue
+    for proc in frozen.values():
+        try:
+            proc.send_signal(signal.SIGKILL)
+            proc.send_signal(signal.SIGCONT)
+        except psutil.Error:
+            pass
+
+
+def main(argv: list[str]) -> None:
+    import psutil
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a terminal's Ctrl-C or a scheduler's
+        signal.signal(sig, signal.SIG_IGN)  # SIGTERM to the whole group must not end the guard before its parent
+    parent = psutil.Process(int(argv[0]))
+    ignored = {int(pid) for pid in argv[1:]} | {os.getpid()}
+    noted: dict[int, object] = {}
+    stdin = sys.stdin.fileno()
+    while True:
+        ready, _, _ = select.select([stdin], [], [], SCAN_S)
+        if ready:
+            line = os.read(stdin, 64)
+            if line.startswith(b"done"):
+                return
+            if not line:  # the parent is gone
+                break
+        noted = {pid: proc for pid, proc in noted.items() if proc.is_running()}  # those gone, forgotten
+        noted.update(_descendants(parent, ignored))
+        if not parent.is_running():
+            break
+    _stop(noted)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
