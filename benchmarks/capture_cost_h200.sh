@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Where the capture's cost goes at Kimi-K2.5's widths, and the writer against the disk (docs/benchmarks.md,
-# "Where the capture's 7-8 % at Kimi widths goes" and "The writer against the disk"), on one GPU machine with
+# Where the capture's cost goes at Kimi-K2.5's widths, and the writer against the disk (docs/performance.md;
+# docs/results/NOTES_capture_cost.md and docs/results/NOTES_writer.md), on one GPU machine with
 # vLLM installed:
 #   scripts/gpu_run.sh PIECES bash benchmarks/capture_cost_h200.sh OUT [pinned] [stages] [writer]
 #   pinned  seconds to pin 1 GiB host blocks in a fresh process, then again from PyTorch's cache

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The disk-inclusive runs of docs/benchmarks.md ("Kimi-K2.5 widths with the disk"), on one GPU machine
+# The disk-inclusive runs of docs/results/NOTES_capture_cost.md ("With the disk"), on one GPU machine
 # with vLLM installed (scripts/gpu_run.sh PIECES bash benchmarks/disk_bound.sh OUT [PART ...]).
 #   kimi    Kimi-K2.5's text widths cut to 4 layers, 128 x 2,048 tokens: bf16 and FP8 storage, the default
 #           writer threads and 2, every b timed through os.sync(), the disk measured in the same runs

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On an air-gapped GPU machine: install the locked wheel set from carried pieces (once), set the
-# environment the GPU runs need, then run a command (default: the GPU checks).
+# environment the GPU runs need, then run a command (default: the GPU tests, tests/gpu).
 #   bash scripts/gpu_run.sh PIECES [COMMAND ...]
 # PIECES holds p1 ... pN from `scripts/offline_wheels.py split` (docs/install.md); when they also
 # hold the wheels of gpu/requirements-train.lock or gpu/requirements-ray.lock, the training stage or Ray
@@ -37,7 +37,9 @@ export PYTHONPATH=$site_path:$PWD PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+# The default: every GPU test (tests/gpu; pytest comes from the image, it is in no lock), results in one JSON.
+# -p no:cacheprovider: no .pytest_cache written into the checkout.
 if [ $# -eq 0 ]; then
-  set -- python3 scripts/gpu_checks.py --work /tmp/gpu-work --out gpu-results
+  set -- python3 -m pytest -p no:cacheprovider -m gpu tests/gpu -q --gpu-report gpu-results/report.json
 fi
 "$@"

@@ -123,10 +123,12 @@ def test_repair_and_merge_of_a_complete_output_say_what_they_did_and_change_noth
     from eagle_extract import repair
 
     before = (smollm2_bf16_out / "eagle_extract.json").stat().st_mtime_ns
-    with pytest.raises(ExtractError, match=r"^rows=None: give the row indices to repair as a list of integers"):
-        repair(smollm2_bf16_out, None)
-    with pytest.raises(ExtractError, match=r"^rows \[20, 99\]: .* has rows 0 to 19; nothing was changed$"):
-        repair(smollm2_bf16_out, [3, 99, 20])
+    refusals = ((None, r"^rows=None: give the row indices"), ([3, 99, 20], r"^rows \[20, 99\]: .* has rows 0 to 19;"))
+    for rows, said in refusals:
+        with pytest.raises(ExtractError, match=said) as err:
+            repair(smollm2_bf16_out, rows)
+        assert_documented(SECTION, "(Python API) `repair` without rows, or with rows the output does not have",
+                          f"ExtractError: {err.value}")  # fmt: skip
     said = []
     summary = merge(smollm2_bf16_out, log=said.append)  # its last shard, or one run, completed it: a success
     assert summary.complete and summary.rows == 20 and said == [
@@ -193,3 +195,5 @@ def test_an_api_call_reached_again_in_a_spawned_process_is_one_line_naming_the_g
         f"Error: eagle_extract.repair() ran again in a process vLLM started, which imports {script} anew: put the "
         'call under `if __name__ == "__main__":`'
     ]
+    assert_documented(SECTION, "(Python API) `extract()` or `repair()` at a script's top level, without the main guard",
+                      proc.stderr.strip())  # fmt: skip

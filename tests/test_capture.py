@@ -13,7 +13,7 @@ from .common import capture_vs_synchronous
 def test_step_capture_equals_blocking_copies():
     """The capture path (on a GPU: side stream into pinned memory) against plain `.cpu()` copies,
     with layers that overwrite their inputs in place as vLLM's fused add+norm does.
-    scripts/gpu_checks.py runs the same check on CUDA."""
+    tests/gpu/test_copies.py runs the same check on CUDA."""
     rows, equal = capture_vs_synchronous("cpu")
     assert rows == 12 and equal == rows
 
@@ -35,7 +35,7 @@ def test_a_budget_smaller_than_one_step_slows_the_capture_but_never_stops_it():
 
 def test_fp8_quantised_on_the_models_device_equals_the_hosts():
     """With --storage-dtype fp8 the capture quantises each step on the model's device (here the CPU;
-    scripts/gpu_checks.py runs it on CUDA) and rows are slices of it: values and scales must be the
+    tests/gpu/test_copies.py runs it on CUDA) and rows are slices of it: values and scales must be the
     bytes the host writer makes from the same states, for rows within one step and rows over several."""
     rows, equal = capture_vs_synchronous("cpu", fp8=True)
     assert rows == 12 and equal == rows

@@ -277,6 +277,9 @@ ELSEWHERE = {  # cases of the doc's table another test meets: it calls assert_do
     "a model of under 3 layers and no `--layers` (the defaults fall outside it)": "tests/test_api.py",
     "not enough free disk for the estimated output": "tests/test_hostile_inputs.py",
     "the bundled model's cache folder cannot be written": "tests/test_hostile_inputs.py",
+    "(Python API) `repair` without rows, or with rows the output does not have": "tests/test_api.py",
+    "(Python API) `extract()` or `repair()` at a script's top level, without the main guard": "tests/test_api.py",
+    "a path whose name is not UTF-8": "tests/test_api.py",
 }
 
 

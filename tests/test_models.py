@@ -6,7 +6,7 @@ relative error per sample and slot (0.15 without AVX-512: GPT-OSS reaches 0.113 
 AVX2 bf16 kernels round differently), is bfloat16 noise; it still tells layers apart, and each
 test shows it: every captured slot must also be at most half as far from its own layer's
 reference as from the neighbouring layers'.  The float32 bound of 1e-4 for MoE models is checked on a
-GPU (scripts/gpu_checks.py).
+GPU (tests/gpu/test_families.py, tests/gpu/test_moe.py).
 """
 
 from __future__ import annotations

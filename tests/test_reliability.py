@@ -303,7 +303,7 @@ def test_one_output_folder_through_a_failure_a_rival_a_dead_worker_a_power_cut_a
     runs of one command with --batch-size 1.  One request per generate call fixes vLLM's batch
     composition, so the resumed --overwrite run's bytes equal the first resumed run's (batched runs can differ in
     the last bits: the engine core may start stepping before all of a call's requests have arrived;
-    see docs/benchmarks.md)."""
+    see docs/results/NOTES_gpu_checks.md)."""
     out = tmp_path / "o"
     args = _tiny_args(tiny_llama, mixed_conversations, out, "--batch-size", "1")
     failing = ["--engine-arg", "max_num_seqs=0"]  # passes the checks, then vLLM refuses it while starting

@@ -322,6 +322,15 @@ def test_a_client_that_goes_away_leaves_no_row_and_no_bytes_and_a_linked_row_cou
     assert _health(s)["spool_bytes"] == sum(inodes.values())  # each file counted once, however many names
     for path in paths:
         path.unlink()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(s.url.removesuffix("/v1") + "/metrics", timeout=30) as r:
+        scraped = {s.name: s.value for m in text_string_to_metric_families(r.read().decode()) for s in m.samples
+                   if not s.labels}  # fmt: skip
+    health = _health(s)
+    assert scraped["eagle_extract_rows_total"] == health["rows"]
+    assert scraped["eagle_extract_requests_abandoned_total"] == before["abandoned"] + 2
+    assert scraped["eagle_extract_row_seconds_count"] >= 7 and scraped["eagle_extract_engine_step_seconds_total"] > 0
 
 
 def test_sigterm_answers_the_request_in_flight_refuses_the_waiting_one_then_exits_0(smollm2_server):

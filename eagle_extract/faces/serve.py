@@ -1,15 +1,9 @@
 """`eagle-extract serve`: speculators' online trainer asks for each row's states over HTTP.
 
-The OpenAI-style routes speculators 0.9's loader calls (`GET /v1/models`, `POST /v1/completions`, and
-`POST /v1/chat/completions` for text messages) answer with `kv_transfer_params.hidden_states_path`: a row
-file in the spool, in the offline layout (`hidden_states` [T, K, H], `token_ids`; FP8 with its scales),
-complete before the answer goes out, so the reader's lock wait finds no lock.  The reader deletes it.
-
-One engine thread feeds the requests into the engine's running batch as they arrive (continuous
-batching), through the same capture core as extraction (worker extension, hooks, matcher, writer); rows
-the matcher cannot bind for sure are run again.  The spool is bounded in bytes: a request waits for room, and files a
-trainer never collected are removed after `--spool-ttl` seconds and at shutdown.  With `--transfer mooncake` each
-row's file is put into a Mooncake store instead, and the answer carries the object's manifest (mooncake.py).
+This module starts and stops the server: its checks, the port (held from before the engine's start), its folder
+in the spool (dead servers' rows swept first), the engine with the capture installed, the engine loop
+(job/continuous.py), uvicorn with the routes (routes.py), progress lines, and SIGTERM or Ctrl-C, after which
+the requests in the engine are answered and every file of ours is removed.
 """
 
 from __future__ import annotations
@@ -18,7 +12,6 @@ import asyncio
 import contextlib
 import errno
 import gc
-import hmac
 import os
 import shutil
 import signal
@@ -29,23 +22,19 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException
-
 from ..config import ExtractConfig, ServeOptions
 from ..data.formats import DataError
 from ..data.samples import check_template
-from ..errors import ExtractError, RequestError, engine_errors
+from ..errors import ExtractError, engine_errors
 from ..files.spool import FOLDER_PREFIX, Spool, hold_folder, sweep_dead_servers
 from ..interrupts import interrupted, note_interrupt
-from ..job.continuous import STOPPING, EngineLoop, capture_engine
+from ..job.continuous import EngineLoop, capture_engine
 from ..job.plan import model_layers
 from ..job.preflight import check_options, check_serve_options, check_weights, load_tokenizer
 from ..job.watch import EngineWatch
 from ..runlog import RunLog
-from .mooncake import MooncakeObjects, StoreUnavailable
+from . import routes
+from .mooncake import MooncakeObjects
 from .requests import UNPARSED_TEMPLATE, Requests
 
 SPOOL_SHARE = 0.5  # of the spool filesystem's free space, the default --spool-bytes
@@ -74,181 +63,6 @@ def _listen(host: str, port: int) -> socket.socket:
                            "machine has (127.0.0.1, or 0.0.0.0 for every address)") from None  # fmt: skip
     sock.set_inheritable(False)
     return sock
-
-
-def _error(status: int, message: str, param: str | None = None):
-    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-             413: "RequestTooLargeError", 499: "ClientClosedRequest", 503: "ServiceUnavailableError"}  # fmt: skip
-    body = {"message": message, "type": kinds.get(status, "ServerError"), "param": param, "code": status}
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return JSONResponse({"error": body}, status_code=status, headers=headers)
-
-
-class _Authorized:
-    """Every request must carry `Authorization: Bearer <key>` (the scheme in any case, the key compared in
-    constant time).  Plain ASGI, not a Starlette middleware: it passes the connection's own `receive` on, so a
-    client that goes away is seen by the route."""
-
-    def __init__(self, app, key: str) -> None:
-        self.app, self.key = app, key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                response = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
-async def _client_gone(request: Request) -> None:
-    """Returns once the client has closed its connection (the body is read: the next message is the close)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def make_app(
-    loop: EngineLoop,
-    spool: Spool,
-    requests: Requests,
-    opts: ServeOptions,
-    seq_length: int,
-    objects: MooncakeObjects | None = None,
-):
-    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-    app.state.live = set()  # each request's give-up event: set when its client goes, or when the server stops
-    app.state.stopping = False
-
-    @app.exception_handler(RequestError)
-    async def _bad(request, exc: RequestError):
-        return _error(exc.status, str(exc), exc.param)
-
-    @app.exception_handler(HTTPException)
-    async def _http(request, exc: HTTPException):
-        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-        return _error(exc.status_code, message.get(exc.status_code, str(exc.detail)))
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, exc):
-        return _error(400, "the request body is not a JSON object")
-
-    async def body_of(request: Request) -> dict:
-        """The body, refused past its bound before it is read whole, and parsed off the event loop."""
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > requests.body_limit:
-            raise RequestError(requests.too_large(int(length)), status=413)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > requests.body_limit:
-                raise RequestError(requests.too_large(size), status=413)
-            chunks.append(chunk)
-        return await asyncio.to_thread(requests.parse, b"".join(chunks))
-
-    async def states(ids: list[int], give_up: threading.Event, futures: list) -> tuple[str, dict]:
-        """The row's name and the answer's kv_transfer_params: its file's path, or its Mooncake object's manifest
-        (put from the writers' own threads: waiting for room there holds no thread a spool reservation needs)."""
-        nbytes = len(ids) * requests.bytes_per_token
-        spool.refuse_unfitting(nbytes)
-        if objects is not None:
-            objects.refuse_unfitting(nbytes)
-        await asyncio.to_thread(spool.reserve, nbytes, give_up)
-        if give_up.is_set():
-            spool.release(nbytes)
-            raise RequestError(STOPPING, status=503)
-        try:
-            future = loop.submit(ids, nbytes)
-        except BaseException:
-            spool.release(nbytes)
-            raise
-        futures.append(future)
-        path = await asyncio.wrap_future(future)
-        if objects is None:
-            return Path(path).stem, {"hidden_states_path": path}
-        spool.hold(Path(path))
-        try:
-            manifest = await asyncio.get_running_loop().run_in_executor(objects.pool, objects.put, Path(path), give_up)
-        except StoreUnavailable as exc:
-            raise RequestError(str(exc), status=503) from None
-        except FileNotFoundError:  # removed by hand before it was stored: this row fails, not the server
-            raise RequestError("the row's file left the spool before it was stored", 500) from None
-        except OSError as exc:
-            raise RequestError(f"could not store the row: {exc.strerror or exc}", 500) from None
-        return manifest["handle"], manifest
-
-    async def served(request: Request, ids: list[int]) -> tuple[str, dict]:
-        """`states`, unless the client goes away first: then a request not yet in the engine never runs, and a
-        row written for nobody is removed at once (its file, or its object), not after the TTL."""
-        if app.state.stopping:
-            raise RequestError(STOPPING, status=503)
-        if len(app.state.live) >= opts.max_requests:
-            raise RequestError(f"the server holds {opts.max_requests} requests already (--max-requests); retry "
-                               "shortly", status=503)  # fmt: skip
-        give_up, futures = threading.Event(), []
-        app.state.live.add(give_up)
-        work = asyncio.create_task(states(ids, give_up, futures))
-        gone = asyncio.create_task(_client_gone(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            app.state.live.discard(give_up)
-        if not gone.done():
-            gone.cancel()
-            return work.result()
-        give_up.set()
-        # not yet answered: the engine loop drops it, or removes its file once written, and counts it
-        counted = [future.cancel() for future in futures]
-        loop.abandoned += not any(counted)
-        with contextlib.suppress(BaseException):
-            row, params = await work
-            if "hidden_states_path" in params:
-                spool.remove(Path(params["hidden_states_path"]))
-            else:
-                objects.remove(row)
-        raise RequestError("the client went away", status=499)
-
-    def answer(kind: str, ids: list[int], params: dict) -> dict:
-        usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
-        return {"object": kind, "created": int(time.time()), "model": requests.name, "usage": usage,
-                "kv_transfer_params": params}  # fmt: skip
-
-    @app.get("/v1/models")
-    async def models():
-        card = {"id": requests.name, "object": "model", "created": 0, "owned_by": "eagle-extract",
-                "max_model_len": seq_length}  # fmt: skip
-        return JSONResponse({"object": "list", "data": [card]})
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await body_of(request)
-        ids = await asyncio.to_thread(requests.tokens, body, False)
-        row, params = await served(request, ids)
-        choice = {"index": 0, "text": "", "finish_reason": "length", "logprobs": None, "prompt_token_ids": ids}
-        return JSONResponse({"id": f"cmpl-{row}", **answer("text_completion", ids, params), "choices": [choice]})
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await body_of(request)
-        ids = await asyncio.to_thread(requests.tokens, body, True)
-        row, params = await served(request, ids)
-        message = {"role": "assistant", "content": ""}
-        choice = {"index": 0, "message": message, "finish_reason": "length", "logprobs": None}
-        return JSONResponse({"id": f"chatcmpl-{row}", **answer("chat.completion", ids, params), "choices": [choice],
-                             "prompt_token_ids": ids})  # fmt: skip
-
-    @app.get("/health")
-    async def health():
-        if loop.failed:
-            return JSONResponse({"status": "failed", "error": loop.failed}, status_code=503)
-        stored = {"store_bytes": objects.used()} if objects else {}
-        return JSONResponse({"status": "ok", "spool_bytes": spool.used(), "rows": loop.rows, "run_again": loop.redone,
-                             "requests_held": len(app.state.live), "waiting_for_room": spool.waiting_for_room(),
-                             "abandoned": loop.abandoned, **stored})  # fmt: skip
-
-    if opts.api_key:
-        app.add_middleware(_Authorized, key=opts.api_key)
-    return app
 
 
 def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
@@ -325,7 +139,7 @@ def _serve(cfg, opts: ServeOptions, log, shape, aux_ids, tokenizer, unparsed, ob
         llm = capture_engine(cfg, max_model_len, folder, aux_ids, watch)
         loop = EngineLoop(llm, spool, cfg.batch_size, watch, run_log.note)
         loop.start()
-        http = _Server(make_app(loop, spool, requests, opts, requests.longest, objects), opts, loop)
+        http = _Server(routes.make_app(loop, spool, requests, opts, requests.longest, objects), opts, loop)
         # from here to the end of the cleanup, SIGTERM and Ctrl-C stop the server instead of raising
         saved = {sig: signal.signal(sig, http.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:

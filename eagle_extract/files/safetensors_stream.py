@@ -3,7 +3,7 @@
 safetensors' own `save_file` hands the kernel the whole file at once, so with a row's fsync behind it the
 disk only starts once the file is in the page cache, and idles while each writer thread copies its next
 row. On a 2-core machine's disk, over 26 GB of Kimi-wide rows a run, rows written here went 1.05-1.50 times
-as fast as by save_file, side by side (docs/benchmarks.md, "The writer against the disk").
+as fast as by save_file, side by side (docs/results/NOTES_writer.md).
 
 The bytes are the safetensors format, as its readers (speculators, safe_open) take it: an 8-byte
 little-endian header length; the JSON header, `__metadata__` first, then each tensor's dtype, shape and

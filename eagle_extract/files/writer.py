@@ -90,7 +90,7 @@ def _torch_save(obj, path: Path) -> None:
 def default_writer_threads() -> int:
     """One writer thread per two cores, 2 to 8.  On a 2 x H200 host (32 cores) 8 threads kept
     extraction closest to plain prefill (b/a 0.985, against 0.963 with 2); on a 2-core machine
-    the engine's own threads need both cores and 2 did best (docs/benchmarks.md)."""
+    the engine's own threads need both cores and 2 did best (docs/results/NOTES_writer.md)."""
     return min(8, max(2, (os.cpu_count() or 2) // 2))
 
 

@@ -62,6 +62,7 @@ class EngineLoop(threading.Thread):
         self.abandoned = 0  # requests whose client went away before their answer: not run, or their file removed
         self.steps, self.step_s, self.drain_s = 0, 0.0, 0.0  # engine steps, and seconds in them and in drains
         self.idle_s = 0.0  # of drain_s: with the engine empty, its rows' files being written
+        self.starved_s = 0.0  # with nothing in flight, waiting for a request
         self._inflight: dict[int, _Job] = {}  # by row number: announced, not yet answered
         self._leaders: dict[tuple[int, ...], _Job] = {}  # the job running each prompt in flight
         self._running: set[int] = set()  # row numbers the engine has not finished
@@ -140,6 +141,10 @@ class EngineLoop(threading.Thread):
             for job in [*self._inflight.values(), *self._parked, *self._held, *self._queued()]:
                 self._fail(job, RequestError(f"the engine failed: {self.failed}", status=503))
 
+    def waiting(self) -> int:
+        """Requests taken by the server, not yet in the engine."""
+        return self.jobs.qsize() + len(self._held)
+
     def _owed(self) -> bool:
         """Requests taken that still wait for their answer."""
         return bool(self._inflight or self._parked or self._held)
@@ -165,10 +170,14 @@ class EngineLoop(threading.Thread):
         jobs = []
         idle = not self._running and not self._inflight and not fresh
         while len(fresh) + len(jobs) < room:
+            wait = 0.2 if idle and not jobs else 0.0  # nothing else to do: wait a little for a request
+            t0 = time.perf_counter()
             try:
-                jobs.append(self.jobs.get(timeout=0.2) if idle and not jobs else self.jobs.get_nowait())
+                jobs.append(self.jobs.get(timeout=wait) if wait else self.jobs.get_nowait())
             except queue.Empty:
                 break
+            finally:
+                self.starved_s += time.perf_counter() - t0 if wait else 0.0
         for job in jobs:
             if job.future.cancelled():  # its client went away before it reached the engine: it never runs
                 self.spool.release(job.nbytes)

@@ -80,14 +80,14 @@ def prepare_environment(tp: int, pp: int, dtype: str = "auto") -> None:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # fork deadlocks on GPU (FACTS §6)
     if dtype in ("float32", "float"):
         # Triton's float32 matmuls (vLLM's GPU attention and fused-MoE kernels) default to TF32,
-        # 1e-3 off true float32; asking for float32 should give float32 (docs/benchmarks.md).
+        # 1e-3 off true float32; asking for float32 should give float32 (docs/results/NOTES_gpu_checks.md).
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     if not on_gpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         cores = sorted(os.sched_getaffinity(0))
         # Several workers: vLLM's "auto" wants a NUMA node each ("Not enough allowed NUMA nodes"). One: "auto"
         # keeps a core for the scheduler, which needs little; on a plain machine the worker takes them all
-        # (docs/benchmarks.md), while on SMT or several NUMA nodes "auto" places it better.
+        # (docs/results/NOTES_method.md), while on SMT or several NUMA nodes "auto" places it better.
         if tp * pp > 1 or plain_cpu(cores):
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp * pp, cores))
 
