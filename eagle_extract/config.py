@@ -21,6 +21,7 @@ BUNDLED_DATA = "sharegpt_dummy_conversations.json"
 LEGACY = "speculators-legacy"
 # --data-format's choices: "auto" and the row formats data/formats.py reads
 FORMATS = ("auto", "messages", "sharegpt", "alpaca", "tokens", "text", "questions")
+DRAFT_KINDS = ("eagle3", "peagle", "dflash", "dflash2", "dspark", "mtp")  # speculators 0.9's, xpress aside
 EXTRACT, BOTH, SERVE = ("extract",), ("extract", "serve"), ("serve",)  # the commands that take an option
 # either sampling option out of its range: one line naming both
 SAMPLING = "--temperature {temperature} --top-p {top_p}: need temperature >= 0 and top-p in (0, 1]"
@@ -84,6 +85,14 @@ class ExtractConfig:
         "entering layer L). The final slot (id = number of layers) is always added.",
         shown="2, n//2, n-3",
         faces=BOTH,
+    )
+    draft_kind: str = option(
+        "eagle3",
+        help="The draft the states will train, as speculators' --speculator-type: eagle3, peagle, dflash, dflash2, "
+        "dspark or mtp. Every kind trains from the same states at the same default layers (speculators 0.9's "
+        "2, n//2, n-3; mtp reads the final slot alone), so one output serves them all: the kind sets the "
+        "printed training command and is recorded in the manifest.",
+        choices=DRAFT_KINDS,
     )
     tp: int = option(1, help="Tensor-parallel size (GPUs per engine).", at_least=1, faces=BOTH)
     pp: int = option(

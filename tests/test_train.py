@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 TRAIN = Path(__file__).resolve().parents[1] / "train"
 
 
@@ -121,3 +123,46 @@ def test_synthesized_prompts_are_complete_distinct_and_never_a_held_out_one(tmp_
     kept, dropped = synth.keep_distinct(candidates, 2, 12, synth.held_out_texts([held]))
     assert kept == ["Write a poem about the sea.", "Explain how tides work."]
     assert dropped == {"cut_at_max_tokens": 1, "too_short": 1, "repeated": 1, "held_out": 1}
+
+
+@pytest.mark.parametrize("kind", ["peagle", "dflash", "dflash2", "dspark"])
+def test_every_kind_speculators_trains_builds_its_draft_from_the_extracted_layers(kind, tmp_path, smollm2_bf16_out):
+    """The same output trains every kind (eagle3 above); a dry run builds each untrained draft on the CPU."""
+    manifest = json.loads((smollm2_bf16_out / "eagle_extract.json").read_text())
+    draft = tmp_path / "draft"
+    proc = run_script("train_draft.py", str(smollm2_bf16_out), "--save-path", str(draft), "--speculator-type", kind,
+                      "--dry-run", "--", "--num-layers", "1")  # fmt: skip
+    assert proc.returncode == 0, failure(proc)
+    config = json.loads((draft / "config.json").read_text())
+    assert config["speculators_model_type"] == kind
+    assert config["speculators_config"]["verifier"]["name_or_path"] == manifest["model"]
+    assert json.dumps(manifest["aux_layer_ids"])[1:-1] in json.dumps(config)  # the ids the output holds
+    said = proc.stdout.strip().splitlines()[-1]
+    assert said.startswith("serve: vllm serve ") and json.loads(said.split("'")[1])["method"] in ("eagle3", "dflash",
+                                                                                                  "dspark")  # fmt: skip
+
+
+def test_a_kind_the_output_or_the_verifier_cannot_train_is_refused_in_one_line(tmp_path, smollm2_bf16_out):
+    proc = run_script("train_draft.py", str(smollm2_bf16_out), "--save-path", str(tmp_path / "d"),
+                      "--speculator-type", "mtp", "--dry-run")  # fmt: skip
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith(
+        "Error: --speculator-type mtp builds the draft from the verifier's own MTP weights (mtp.*)"
+    ), proc.stderr
+    layers = ["--target-layer-ids", "1", "9", "15"]
+    proc = run_script("train_draft.py", str(smollm2_bf16_out), "--save-path", str(tmp_path / "d"),
+                      "--speculator-type", "dflash", "--dry-run", "--", *layers)  # fmt: skip
+    assert proc.returncode == 1 and "the output holds layers 2 15 27 (and the final slot), not [1, 9]" in proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash", "dflash2", "dspark", "mtp"])
+def test_the_printed_training_command_of_every_kind_parses_as_speculators_own(kind):
+    import shlex
+
+    from speculators.train.config.resolution import build_parser
+
+    from eagle_extract.drafts import train_flags
+
+    line = "speculators train --verifier-name-or-path M --data-path OUT " + shlex.join(train_flags(kind, [2, 15, 27]))
+    parsed = build_parser().parse_args(shlex.split(line)[2:])
+    assert parsed.speculator_type == kind
+    assert getattr(parsed, "target_layer_ids", None) == (None if kind == "mtp" else [2, 15, 27])

@@ -1,7 +1,9 @@
-"""Train an EAGLE-3 draft on an eagle-extract output with speculators' own trainer.
+"""Train a draft on an eagle-extract output with speculators' own trainer: EAGLE-3, or any kind speculators 0.9
+trains from the same states (--speculator-type: eagle3, peagle, dflash, dflash2, dspark, mtp).
 
-    python train/train_draft.py OUT --save-path DRAFT [--draft-vocab-size 8192] [--epochs 10]
-        [--lr 1e-4] [--verifier PATH] [--gpus N] [--norm-output] [--dry-run] [-- further `speculators train` flags]
+    python train/train_draft.py OUT --save-path DRAFT [--speculator-type KIND] [--draft-vocab-size 8192]
+        [--epochs 10] [--lr 1e-4] [--verifier PATH] [--gpus N] [--norm-output] [--dry-run]
+        [-- further `speculators train` flags, such as a kind's own: --block-size 16, --num-layers 5]
 
 Everything that must agree with the extraction is read from OUT/eagle_extract.json: the
 verifier, the auxiliary layer ids (so --target-layer-ids can never name other layers than
@@ -15,9 +17,13 @@ releases before June 2026 (0.22 among them) drop that config field and feed the 
 so draft steps 2 and up run on inputs they were never trained on.  `check_draft.py` refuses a
 draft whose config the serving vLLM does not honour.
 
-The draft folder it writes is what vLLM loads as an EAGLE-3 speculator:
+The kind defaults to the one the output was extracted for (`--draft-kind`, in its manifest).  The draft folder it
+writes is what vLLM loads as a speculator; the line it prints names vLLM's method for the kind:
 
     vllm serve VERIFIER --speculative-config '{"method": "eagle3", "model": "DRAFT", "num_speculative_tokens": 3}'
+
+An mtp draft is built from the verifier's own MTP weights (`mtp.*`), so a verifier without them is refused; vLLM
+serves it after `speculators stitch-mtp` puts it back into the verifier (method "mtp").
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from pathlib import Path
 
 import click
 
+from eagle_extract.config import DRAFT_KINDS
+from eagle_extract.drafts import missing_layers, speculative_config, train_flags
 from eagle_extract.files.manifest import MANIFEST, read_manifest
 
 
@@ -55,8 +63,7 @@ def trainer_args(output: Path, manifest: dict, opts: dict) -> list[str]:
     args = [
         "--verifier-name-or-path", opts["verifier"] or manifest["model"],
         "--data-path", str(output),
-        "--speculator-type", "eagle3",
-        "--target-layer-ids", *map(str, manifest["aux_layer_ids"]),
+        *train_flags(opts["speculator_type"], manifest["aux_layer_ids"]),
         "--hidden-states-dtype", "float32" if stored == "float32" else "bfloat16",
         "--total-seq-len", str(max(manifest["seq_length"], 2)),
         "--epochs", str(opts["epochs"]),
@@ -65,10 +72,42 @@ def trainer_args(output: Path, manifest: dict, opts: dict) -> list[str]:
     ]  # fmt: skip
     if opts["draft_vocab_size"]:
         args += ["--draft-vocab-size", str(opts["draft_vocab_size"])]
-    args.append("--norm-output" if opts["norm_output"] else "--no-norm-output")
+    if opts["speculator_type"] == "eagle3":  # speculators defaults the other kinds to un-normed outputs already
+        args.append("--norm-output" if opts["norm_output"] else "--no-norm-output")
     if opts["dry_run"]:
         args.append("--dry-run")
     return args + list(opts["extra"])
+
+
+def refuse_unheld_layers(kind: str, manifest: dict, extra: tuple[str, ...]) -> None:
+    """--target-layer-ids among the further flags may name only layers the output holds."""
+    if "--target-layer-ids" not in extra:
+        return
+    at = extra.index("--target-layer-ids") + 1
+    asked = [int(v) for v in extra[at:] if v.lstrip("-").isdigit() and not v.startswith("--")]
+    missing = missing_layers(kind, asked, manifest["aux_layer_ids"])
+    if missing:
+        raise click.ClickException(
+            f"--target-layer-ids {' '.join(map(str, asked))}: the output holds layers "
+            f"{' '.join(map(str, manifest['aux_layer_ids']))} (and the final slot), not {missing}; extract those "
+            "layers (--layers), or leave --target-layer-ids out"
+        )
+
+
+def refuse_mtp_without_heads(verifier: str) -> None:
+    """speculators builds an mtp draft from the verifier's own MTP weights; without them it fails after loading."""
+    index = Path(verifier) / "model.safetensors.index.json"
+    if index.is_file():
+        names = json.loads(index.read_text()).get("weight_map", {})
+    else:
+        from safetensors import safe_open
+
+        names = [n for f in Path(verifier).glob("*.safetensors") for n in safe_open(str(f), "pt").keys()]
+    if not any(".mtp." in f".{n}" for n in names):
+        raise click.ClickException(
+            f"--speculator-type mtp builds the draft from the verifier's own MTP weights (mtp.*), and {verifier} "
+            "has none; train another kind (eagle3, dflash, dspark, ...) on this output"
+        )
 
 
 def servable_draft(save_path: Path) -> Path:
@@ -92,6 +131,12 @@ def command(args: list[str], gpus: int) -> list[str]:
 @click.option("--save-path", type=click.Path(path_type=Path), required=True, help="where the draft is written")
 @click.option("--verifier", default=None, help="verifier checkpoint [default: the model in the manifest]")
 @click.option("--draft-vocab-size", type=int, default=None, help="draft vocabulary, from token_freq.pt")
+@click.option(
+    "--speculator-type",
+    type=click.Choice(DRAFT_KINDS),
+    default=None,
+    help="the draft kind [default: the output's --draft-kind, else eagle3]",
+)
 @click.option("--epochs", type=int, default=10, show_default=True)
 @click.option("--lr", type=float, default=1e-4, show_default=True)
 @click.option("--gpus", type=int, default=1, show_default=True, help="GPUs to train on (torchrun when more than one)")
@@ -105,14 +150,21 @@ def command(args: list[str], gpus: int) -> list[str]:
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
 def main(**opts) -> None:
     manifest = complete_manifest(opts["output"])
+    recorded = (manifest.get("config") or {}).get("draft_kind", "eagle3")
+    kind = opts["speculator_type"] = opts["speculator_type"] or recorded
+    verifier = opts["verifier"] or manifest["model"]
+    refuse_unheld_layers(kind, manifest, opts["extra"])
+    if kind == "mtp":
+        refuse_mtp_without_heads(verifier)
     cmd = command(trainer_args(opts["output"], manifest, opts), opts["gpus"])
     click.echo("$ " + shlex.join(cmd))
     rc = subprocess.run(cmd).returncode
     if rc == 0:
-        verifier = opts["verifier"] or manifest["model"]
         draft = servable_draft(opts["save_path"])
-        config = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
-        click.echo(f"draft: {draft}\nserve: vllm serve {verifier} --speculative-config '{config}'")
+        config = speculative_config(kind, str(draft), json.loads((draft / "config.json").read_text()))
+        serving = (f"vllm serve {verifier} --speculative-config '{json.dumps(config)}'" if config else
+                   "speculators stitch-mtp (puts the draft back into the verifier), then vllm serve it")  # fmt: skip
+        click.echo(f"draft: {draft}\nserve: {serving}")
     sys.exit(rc)
 
 

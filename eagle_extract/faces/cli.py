@@ -12,6 +12,7 @@ from typing import get_args
 import click
 
 from ..config import ExtractConfig, ServeOptions, StoreSettings, option_name, options_of
+from ..drafts import train_flags
 from ..errors import ExtractError
 from ..files.checks import repairable
 from ..files.manifest import MANIFEST
@@ -124,7 +125,7 @@ def extract_command(**options):
     With no options it extracts the bundled SmolLM2 model over the bundled conversations.
     Rerunning an interrupted command resumes it. Check an output with `eagle-extract verify DIR`.
     """
-    _summarise(_run_or_fail(api.extract, **options))
+    _summarise(_run_or_fail(api.extract, **options), options["draft_kind"])
 
 
 @main.command("serve", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -203,7 +204,8 @@ def serve_args(manifest: dict) -> list[str]:
     return cmd
 
 
-def _summarise(summary: api.Summary) -> None:
+def _summarise(summary: api.Summary, draft_kind: str | None = None) -> None:
+    """The run's closing lines, ending with the command that trains `draft_kind` (else the recorded kind) on it."""
     output = summary.output
     if not summary.complete:  # one shard of several
         waiting = ", ".join(f"{k}/{summary.shard.split('/')[1]}" for k in summary.waiting_for)
@@ -233,7 +235,6 @@ def _summarise(summary: api.Summary) -> None:
     if summary.legacy_layer_ids:
         click.echo(f"legacy layer ids (outputs of layers): {summary.legacy_layer_ids}")
         return
-    ids = " ".join(map(str, summary.aux_layer_ids))  # speculators takes a space-separated list
     model = shlex.quote(str(summary.model))
     online = ""
     if stateless:  # every row's states come from the server, which must capture them as this output would
@@ -242,9 +243,10 @@ def _summarise(summary: api.Summary) -> None:
         port = ServeOptions.__dataclass_fields__["port"].default
         fp8 = " --hidden-states-backend fp8" if "--storage-dtype" in serve else ""  # the trainer reads what it serves
         online = f" --vllm-endpoint http://127.0.0.1:{port}/v1{fp8}"
+    kind = draft_kind or ((summary.manifest or {}).get("config") or {}).get("draft_kind") or "eagle3"
     click.echo(
         f"train on it: speculators train --verifier-name-or-path {model} --data-path {shlex.quote(str(output))} "
-        f"--speculator-type eagle3 --target-layer-ids {ids}{online}"
+        f"{shlex.join(train_flags(kind, summary.aux_layer_ids))}{online}"
     )
 
 
