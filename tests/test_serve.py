@@ -499,7 +499,7 @@ def test_a_file_going_into_the_mooncake_store_is_never_swept_as_uncollected(tmp_
     for path in (held, left):
         spool.reserve(100, threading.Event())  # as a request does, before its row is written
         path.write_bytes(b"x" * 100)
-        spool.written(path, reserved=100)
+        spool.written([path], reserved=100)
     spool.hold(held)
     time.sleep(0.1)
     spool.sweep()

@@ -51,7 +51,7 @@ def test_a_row_whose_file_cannot_be_written_fails_alone_and_the_server_goes_on(t
 
 
 def test_sigkill_of_the_server_leaves_no_engine_and_the_next_start_sweeps_its_rows(tiny_server, tmp_path):
-    from eagle_extract.files.spool import LOCK_NAME, hold_folder, sweep_dead_servers
+    from eagle_extract.files.spool import LOCK_NAME, folder_prefix, hold_folder, sweep_dead_servers
 
     s = tiny_server
     got, answer = s.post("/completions", {"prompt": list(range(100, 400))}, AUTH)  # a row nobody collects
@@ -67,7 +67,7 @@ def test_sigkill_of_the_server_leaves_no_engine_and_the_next_start_sweeps_its_ro
     assert not [p for p in engine if _alive(p)], [p.pid for p in engine if _alive(p)]
     assert left.exists()  # what SIGKILL left; a live server's folder beside it must stay
     size = left.stat().st_size
-    live = s.spool / "eagle-extract-serve.live"
+    live = s.spool / f"{folder_prefix()}live"
     (live / "hidden_states").mkdir(parents=True)
     (live / "hidden_states" / "hs_0.safetensors").write_bytes(b"x" * 1000)
     held = hold_folder(live)
@@ -90,26 +90,30 @@ def test_a_row_larger_than_the_spool_or_its_filesystem_is_refused_and_room_is_co
 
     spool = Spool(tmp_path, limit=10_000, ttl=60)
     with pytest.raises(RequestError, match="--spool-bytes") as err:
-        spool.refuse_unfitting(10_001)
+        spool.admit(10_001, threading.Event())
     assert err.value.status == 413
     huge = Spool(tmp_path, limit=1 << 62, ttl=60)
     with pytest.raises(RequestError, match="--spool") as err:
-        huge.refuse_unfitting(1 << 61)  # more than any disk here has free
-    assert err.value.status == 413
-    spool.refuse_unfitting(5_000)
-    first, link = hidden_state_path(tmp_path, 0), hidden_state_path(tmp_path, 1)
+        huge.admit(1 << 61, threading.Event())  # more than any disk here has free
+    assert err.value.status == 413 and huge.used() == 0
+    first, link, other = (hidden_state_path(tmp_path, i) for i in range(3))
     first.parent.mkdir(parents=True)
-    for path in (first, link):  # identical prompts: the second is a hard link to the first's file
-        spool.reserve(4_000, threading.Event())
-        if path is first:
-            path.write_bytes(b"x" * 4_000)
-        else:
-            os.link(first, path)
-        spool.written(path, reserved=4_000)
+    spool.admit(4_000, threading.Event())  # identical prompts: the second is a hard link to the first's file
+    spool.reserve(4_000, threading.Event())
+    first.write_bytes(b"x" * 4_000)
+    os.link(first, link)
+    spool.written([first, link], reserved=8_000)
     assert spool.used() == 4_000
     spool.remove(first)  # its client went away: freed at once only when no other name holds the bytes
     assert spool.used() == 4_000
-    spool.remove(link)
+    link.unlink()  # collected by the trainer; another row may now take its inode number
+    spool.reserve(100, threading.Event())
+    other.write_bytes(b"y" * 100)
+    spool.written([other], reserved=100)
+    spool.sweep()
+    assert spool.used() == 100  # the new file is its own, whatever inode it got
+    other.unlink()
+    spool.sweep()
     assert spool.used() == 0
     given_up = threading.Event()
     spool.reserve(9_000, threading.Event())
@@ -117,6 +121,9 @@ def test_a_row_larger_than_the_spool_or_its_filesystem_is_refused_and_room_is_co
     with pytest.raises(RequestError) as err:
         spool.reserve(2_000, given_up)  # a request whose client went away while it waited for room
     assert err.value.status == 503 and spool.used() == 9_000
+    spool.close()  # the server stops: whoever still waits gives up
+    with pytest.raises(RequestError):
+        spool.reserve(2_000, threading.Event())
 
 
 PARENT = """

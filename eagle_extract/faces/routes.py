@@ -9,12 +9,13 @@ import contextlib
 import hmac
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..config import ServeOptions
 from ..errors import RequestError
@@ -68,6 +69,7 @@ def make_app(
     app.state.live = set()  # each request's give-up event: set when its client goes, or when the server stops
     app.state.stopping = False
     metrics = Metrics(loop, spool, app.state.live, objects)
+    waiting_for_room = ThreadPoolExecutor(opts.max_requests, thread_name_prefix="eagle-spool-room")
 
     @app.exception_handler(RequestError)
     async def _bad(request, exc: RequestError):
@@ -78,31 +80,30 @@ def make_app(
         message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
         return _error(exc.status_code, message.get(exc.status_code, str(exc.detail)))
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, exc):
-        return _error(400, "the request body is not a JSON object")
-
     async def body_of(request: Request) -> dict:
         """The body, refused past its bound before it is read whole, and parsed off the event loop."""
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > requests.body_limit:
             raise RequestError(requests.too_large(int(length)), status=413)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > requests.body_limit:
-                raise RequestError(requests.too_large(size), status=413)
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > requests.body_limit:
+                    raise RequestError(requests.too_large(size), status=413)
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone while it sent its body: nothing to answer
+            raise RequestError("the client went away", status=499) from None
         return await asyncio.to_thread(requests.parse, b"".join(chunks))
 
     async def states(ids: list[int], give_up: threading.Event, futures: list) -> tuple[str, dict]:
-        """The row's name and the answer's kv_transfer_params: its file's path, or its Mooncake object's manifest
-        (put from the writers' own threads: waiting for room there holds no thread a spool reservation needs)."""
+        """The row's name and the answer's kv_transfer_params: its file's path, or its Mooncake object's manifest.
+        Waiting for spool room takes a thread of its own pool (no other request's parsing or tokenizing waits
+        behind it), putting into the store one of the store's pool."""
         nbytes = len(ids) * requests.bytes_per_token
-        spool.refuse_unfitting(nbytes)
         if objects is not None:
             objects.refuse_unfitting(nbytes)
-        await asyncio.to_thread(spool.reserve, nbytes, give_up)
+        await asyncio.get_running_loop().run_in_executor(waiting_for_room, spool.admit, nbytes, give_up)
         if give_up.is_set():
             spool.release(nbytes)
             raise RequestError(STOPPING, status=503)
@@ -136,6 +137,8 @@ def make_app(
                                "shortly", status=503)  # fmt: skip
         give_up, futures, t0 = threading.Event(), [], time.perf_counter()
         app.state.live.add(give_up)
+        if app.state.stopping:  # the stop began while this request came in: it gives up with the others
+            give_up.set()
         work = asyncio.create_task(states(ids, give_up, futures))
         gone = asyncio.create_task(_client_gone(request))
         try:
@@ -148,15 +151,17 @@ def make_app(
             metrics.row_seconds.observe(time.perf_counter() - t0)
             return answered
         give_up.set()
-        # not yet answered: the engine loop drops it, or removes its file once written, and counts it
-        counted = [future.cancel() for future in futures]
-        loop.abandoned += not any(counted)
+        if futures and futures[0].cancel():  # not yet answered: the engine loop drops it, or removes its file
+            raise RequestError("the client went away", status=499)  # once written, and counts it
         with contextlib.suppress(BaseException):
             row, params = await work
             if "hidden_states_path" in params:
                 spool.remove(Path(params["hidden_states_path"]))
             else:
-                objects.remove(row)
+                await asyncio.get_running_loop().run_in_executor(objects.pool, objects.remove, row)
+            loop.count_abandoned()  # answered, to nobody: its row is removed
+        if not futures:  # it never reached the engine
+            loop.count_abandoned()
         raise RequestError("the client went away", status=499)
 
     def answer(kind: str, ids: list[int], params: dict) -> dict:

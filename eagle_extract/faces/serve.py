@@ -26,7 +26,7 @@ from ..config import ExtractConfig, ServeOptions
 from ..data.formats import DataError
 from ..data.samples import check_template
 from ..errors import ExtractError, engine_errors
-from ..files.spool import FOLDER_PREFIX, Spool, hold_folder, sweep_dead_servers
+from ..files.spool import Spool, folder_prefix, hold_folder, sweep_dead_servers
 from ..interrupts import interrupted, note_interrupt
 from ..job.continuous import EngineLoop, capture_engine
 from ..job.plan import model_layers
@@ -88,7 +88,7 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
             objects.close()
 
 
-def _spool_folder(opts: ServeOptions, log) -> tuple[Path, int]:
+def _spool_folder(opts: ServeOptions, log) -> tuple[Path, int | None]:
     """A fresh folder of ours in the spool, held for the server's life, readable and deletable by the trainer
     as the umask allows (another user's trainer: a group or a umask of 002); dead servers' rows swept first."""
     root = opts.spool or Path(tempfile.gettempdir())
@@ -98,11 +98,15 @@ def _spool_folder(opts: ServeOptions, log) -> tuple[Path, int]:
         if folders:
             log(f"removed {freed / 2**20:,.1f} MiB of rows that {folders} servers which did not stop cleanly left "
                 f"in {root}")  # fmt: skip
-        folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=root)).resolve()
+        folder = Path(tempfile.mkdtemp(prefix=folder_prefix(), dir=root)).resolve()
         umask = os.umask(0o022)
         os.umask(umask)
         folder.chmod(0o777 & ~umask)
-        return folder, hold_folder(folder)
+        held = hold_folder(folder)
+        if held is None:
+            log(f"warning: --spool {root} takes no file locks, so the rows of a server that dies without cleaning "
+                "up are not swept by the next one; remove its folder's hidden_states/ by hand")  # fmt: skip
+        return folder, held
     except OSError as exc:
         raise ExtractError(f"--spool {root}: cannot make a folder there ({exc.strerror}); pass a writable --spool")
 
@@ -136,7 +140,12 @@ def _serve(cfg, opts: ServeOptions, log, shape, aux_ids, tokenizer, unparsed, ob
             + (f"; Mooncake master {opts.mooncake.master} (objects up to {objects.limit / 2**30:.1f} GiB)" if objects
                else "")
         )  # fmt: skip
-        llm = capture_engine(cfg, max_model_len, folder, aux_ids, watch)
+        try:
+            llm = capture_engine(cfg, max_model_len, folder, aux_ids, watch)
+        except BaseException:  # the engine started but its capture did not: it goes now, with the guard and the watch
+            watch.stop.set()
+            watch.reap()
+            raise
         loop = EngineLoop(llm, spool, cfg.batch_size, watch, run_log.note)
         loop.start()
         http = _Server(routes.make_app(loop, spool, requests, opts, requests.longest, objects), opts, loop)
@@ -162,7 +171,8 @@ def _serve(cfg, opts: ServeOptions, log, shape, aux_ids, tokenizer, unparsed, ob
             f"stopped: {loop.summary()}; {spool.expired} files{objects_expired} never collected were removed; the "
             f"spool's files are removed; log: {log_path}"
         )
-        os.close(held)
+        if held is not None:
+            os.close(held)
         if loop.failed and not interrupted():
             raise ExtractError(f"the engine failed: {loop.failed}; the server stopped (the log: {log_path})")
     return 0 if interrupted() else status
@@ -212,7 +222,10 @@ def _serve_http(
     def janitor() -> None:
         said, shown = time.monotonic(), 0
         while not server.should_exit:
-            spool.sweep()
+            try:
+                spool.sweep()
+            except OSError as exc:  # a filesystem that fails one look (ESTALE, EIO) is looked at again
+                run_log.note(f"the spool's sweep failed once: {exc}")
             if loop.failed:
                 server.should_exit = True
             if time.monotonic() - said > PROGRESS_S and loop.rows != shown:  # progress, while there is any
@@ -223,6 +236,7 @@ def _serve_http(
             time.sleep(0.5)
         http.app.state.stopping = True  # requests not yet in the engine get 503 now; those in it are answered
         loop.stopping.set()
+        spool.close()
         for give_up in list(http.app.state.live):
             give_up.set()
 

@@ -3,10 +3,13 @@ uncollected files removed after a TTL; and, at a server's start, the folders dea
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import itertools
 import math
 import os
 import shutil
+import socket
 import threading
 import time
 from pathlib import Path
@@ -16,22 +19,25 @@ from .rowfile import hidden_state_path
 
 FOLDER_PREFIX = "eagle-extract-serve."
 LOCK_NAME = "serve.lock"  # in each server's folder, flock'd for the server's life: a folder without a holder is dead
+NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # a filesystem mounted without locks (NFS nolock, ...)
 
 
 class Spool:
     """Our folder in the spool: state files the trainer collects (and deletes).  `reserve` waits while
-    the files written and the rows in flight would pass `limit` bytes; a file linked under several names
-    (identical prompts) counts once.  One owner, the server's janitor, `sweep`s: it sees which files the
+    the files written and the rows in flight would pass `limit` bytes; a file and its links (identical prompts)
+    are one group, counted once.  `sweep` (the server's janitor; `waiting` at shutdown) sees which files the
     trainer took and removes those uncollected after `ttl` seconds; `clear` removes every file of ours."""
 
     def __init__(self, root: Path, limit: int, ttl: float) -> None:
         self.root, self.limit, self.ttl = root, limit, ttl
-        self._files: dict[Path, tuple[int, float]] = {}  # written, not yet seen gone: inode, time written
-        self._inodes: dict[int, list[int]] = {}  # inode -> [bytes, names of ours linked to it]
+        self._files: dict[Path, tuple[int, float]] = {}  # written, not yet seen gone: group, time written
+        self._groups: dict[int, list[int]] = {}  # group -> [bytes, names of ours left]
+        self._group_ids = itertools.count()
         self._bytes = 0  # of those files and of the rows in flight
         self._file_bytes = 0  # of those files alone
         self._waiting: list[object] = []  # requests waiting for room, first come first
         self._cond = threading.Condition()
+        self._closed = False  # the server is stopping: nobody waits for room any more
         self.expired = 0
 
     def used(self) -> int:
@@ -40,8 +46,8 @@ class Spool:
     def waiting_for_room(self) -> int:
         return len(self._waiting)
 
-    def refuse_unfitting(self, nbytes: int) -> None:
-        """A row that could never be written: larger than the bound, or than the room its filesystem has."""
+    def admit(self, nbytes: int, give_up: threading.Event) -> None:
+        """Refuse a row that could never be written (413), else wait for its room (`reserve`)."""
         if nbytes > self.limit:
             raise RequestError(
                 f"the prompt's states take {nbytes:,} bytes, more than the spool's bound of {self.limit:,} "
@@ -49,15 +55,16 @@ class Spool:
                 status=413,
                 param="prompt",
             )
-        free = shutil.disk_usage(self.root).free - max(self._bytes - self._file_bytes, 0)  # less the rows in flight
-        if nbytes > free:
+        room = shutil.disk_usage(self.root).free + self._file_bytes  # our files go once collected
+        if nbytes > room:
             raise RequestError(
-                f"the prompt's states take {nbytes:,} bytes, and the spool's filesystem has {max(free, 0):,} free "
-                f"beside the rows being written ({self.root.parent}, --spool); free space there, or start the "
-                "server with a --spool on a larger filesystem",
+                f"the prompt's states take {nbytes:,} bytes, and the spool's filesystem has {room:,} free even "
+                f"once every row of ours is collected ({self.root.parent}, --spool); free space there, or start "
+                "the server with a --spool on a larger filesystem",
                 status=413,
                 param="prompt",
             )
+        self.reserve(nbytes, give_up)
 
     def reserve(self, nbytes: int, give_up: threading.Event) -> None:
         """Wait for room, in the order the requests came (small rows must not starve a long one); raises a
@@ -67,7 +74,7 @@ class Spool:
             self._waiting.append(ticket)
             try:
                 while self._waiting[0] is not ticket or self._bytes and self._bytes + nbytes > self.limit:
-                    if give_up.is_set():
+                    if give_up.is_set() or self._closed:
                         raise RequestError("the server is stopping, or the request was abandoned", status=503)
                     self._cond.wait(0.5)
             finally:
@@ -75,20 +82,17 @@ class Spool:
                 self._cond.notify_all()
             self._bytes += nbytes
 
-    def written(self, path: Path, reserved: int) -> None:
-        """`path` is written, in place of `reserved` bytes held for it; a link to a file counted already adds
-        nothing."""
-        st = path.stat()
+    def written(self, paths: list[Path], reserved: int) -> None:
+        """`paths[0]` is written and the rest are links to it, in place of `reserved` bytes held for them all:
+        one group, its bytes counted once, until the last of its names is gone."""
+        size = paths[0].stat().st_size
         with self._cond:
-            counted = self._inodes.get(st.st_ino)
-            if counted:
-                counted[1] += 1
-                self._bytes -= reserved
-            else:
-                self._inodes[st.st_ino] = [st.st_size, 1]
-                self._bytes += st.st_size - reserved
-                self._file_bytes += st.st_size
-            self._files[path] = (st.st_ino, time.monotonic())
+            group = next(self._group_ids)
+            self._groups[group] = [size, len(paths)]
+            self._bytes += size - reserved
+            self._file_bytes += size
+            now = time.monotonic()
+            self._files.update((path, (group, now)) for path in paths)
             self._cond.notify_all()
 
     def hold(self, path: Path) -> None:
@@ -99,7 +103,7 @@ class Spool:
                 self._files[path] = (self._files[path][0], math.inf)
 
     def remove(self, path: Path) -> None:
-        """Remove a file nobody will read (its client went away); its bytes are free at once."""
+        """Remove a file nobody will read (its client went away); its bytes are free once no link holds them."""
         path.unlink(missing_ok=True)
         with self._cond:
             self._forget(path)
@@ -113,11 +117,11 @@ class Spool:
     def _forget(self, path: Path) -> None:
         if path not in self._files:
             return
-        inode, _ = self._files.pop(path)
-        counted = self._inodes[inode]
+        group, _ = self._files.pop(path)
+        counted = self._groups[group]
         counted[1] -= 1
         if not counted[1]:
-            del self._inodes[inode]
+            del self._groups[group]
             self._bytes -= counted[0]
             self._file_bytes -= counted[0]
 
@@ -145,30 +149,49 @@ class Spool:
         self.sweep()
         return len(self._files)
 
+    def close(self) -> None:
+        """The server is stopping: every request waiting for room gives up (503)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
     def clear(self) -> None:
         """Remove every state file of ours, written or half-written (the writer's temporary names)."""
         shutil.rmtree(hidden_state_path(self.root, 0).parent, ignore_errors=True)
         with self._cond:
             self._files.clear()
-            self._inodes.clear()
+            self._groups.clear()
             self._bytes = self._file_bytes = 0
             self._cond.notify_all()
 
 
-def hold_folder(folder: Path) -> int:
-    """Mark `folder` as a live server's for as long as the returned descriptor stays open (the process's life)."""
+def folder_prefix() -> str:
+    """Our folders' names start with this host's name: a spool on a shared filesystem holds several hosts' servers,
+    and a lock is not seen across hosts on every filesystem."""
+    return f"{FOLDER_PREFIX}{socket.gethostname()}."
+
+
+def hold_folder(folder: Path) -> int | None:
+    """Mark `folder` as a live server's for as long as the returned descriptor stays open (the process's life);
+    None where the filesystem takes no locks."""
     fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    os.set_inheritable(fd, False)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in NO_LOCKS:
+            return None
+        raise
     return fd
 
 
 def sweep_dead_servers(root: Path) -> tuple[int, int]:
-    """Remove the row files that servers which died without cleaning up (SIGKILL, a power cut) left in the
-    spool `root`: in folders of ours by name, with a lock file nobody holds (their logs stay).  A live server's
-    folder, and anything else, are left alone.  Returns (folders, bytes) swept."""
+    """Remove the row files that this host's servers which died without cleaning up (SIGKILL, a power cut) left
+    in the spool `root`: in folders of ours by name, with a lock file nobody holds (their logs stay).  A live
+    server's folder, another host's, one on a filesystem without locks, and anything else are left alone.
+    Returns (folders, bytes) swept."""
     folders = removed = 0
-    for folder in root.glob(f"{FOLDER_PREFIX}*"):
+    for folder in root.glob(f"{folder_prefix()}*"):
         rows, lock = hidden_state_path(folder, 0).parent, folder / LOCK_NAME
         if folder.is_symlink() or rows.is_symlink() or not rows.is_dir() or not lock.is_file():
             continue
@@ -179,7 +202,7 @@ def sweep_dead_servers(root: Path) -> tuple[int, int]:
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:  # held: a live server's
+            except OSError:  # held: a live server's (or no locks here: nothing is known)
                 continue
             size = _size(rows)
             shutil.rmtree(rows, ignore_errors=True)

@@ -124,7 +124,7 @@ class BackgroundWriter:
         self._lock = threading.Condition()  # guards the fields below; notified as each row is written or fails
         self.written: list[int] = []
         self.errors: list[str] = []
-        self.failed: list[tuple[int, str]] = []  # rows_fail_alone: (row, why its file could not be written)
+        self.failed: list[tuple] = []  # rows_fail_alone: (row, why its file could not be written, its errno)
         count = threads or default_writer_threads()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(count)]
         for t in self._threads:
@@ -171,7 +171,7 @@ class BackgroundWriter:
                 said = f"row {index}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}"
             with self._lock:
                 if self.rows_fail_alone:
-                    self.failed.append((index, _why(exc)))
+                    self.failed.append((index, _why(exc), getattr(exc, "errno", None)))
                 else:
                     self.errors.append(said)
                 self._lock.notify_all()

@@ -4,6 +4,7 @@ core as extraction (worker extension, hooks, matcher, writer), each request answ
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import threading
@@ -60,6 +61,9 @@ class EngineLoop(threading.Thread):
         self._numbers = itertools.count()
         self.rows = self.tokens = self.redone = 0
         self.abandoned = 0  # requests whose client went away before their answer: not run, or their file removed
+        self._count_lock = threading.Lock()  # abandoned is counted from the engine thread and the event loop
+        self._closing = threading.Lock()
+        self._closed = False  # the loop has ended: submit refuses
         self.steps, self.step_s, self.drain_s = 0, 0.0, 0.0  # engine steps, and seconds in them and in drains
         self.idle_s = 0.0  # of drain_s: with the engine empty, its rows' files being written
         self.starved_s = 0.0  # with nothing in flight, waiting for a request
@@ -76,13 +80,11 @@ class EngineLoop(threading.Thread):
     def submit(self, ids: list[int], nbytes: int) -> Future:
         if self.failed:
             raise RequestError(f"the engine failed: {self.failed}", status=503)
-        if self.stopping.is_set():
-            raise RequestError(STOPPING, status=503)
         job = _Job(ids, nbytes, Future())
-        self.jobs.put(job)
-        if self.failed:  # the loop failed meanwhile and may have emptied the queue before this job came: none waits
-            for queued in self._queued():
-                self._fail(queued, RequestError(f"the engine failed: {self.failed}", status=503))
+        with self._closing:  # the loop takes no job once it has ended: refused here, never left waiting
+            if self._closed or self.stopping.is_set():
+                raise RequestError(f"the engine failed: {self.failed}" if self.failed else STOPPING, status=503)
+            self.jobs.put(job)
         return job.future
 
     def run(self) -> None:
@@ -138,8 +140,11 @@ class EngineLoop(threading.Thread):
         except BaseException as exc:
             self.failed = str(exc) if isinstance(exc, ExtractError) else f"{type(exc).__name__}: {exc}"
             self.note(f"engine loop failed: {self.failed}")
-            for job in [*self._inflight.values(), *self._parked, *self._held, *self._queued()]:
-                self._fail(job, RequestError(f"the engine failed: {self.failed}", status=503))
+        with self._closing:
+            self._closed = True
+        why = f"the engine failed: {self.failed}" if self.failed else STOPPING
+        for job in [*self._inflight.values(), *self._parked, *self._held, *self._queued()]:
+            self._fail(job, RequestError(why, status=503))
 
     def waiting(self) -> int:
         """Requests taken by the server, not yet in the engine."""
@@ -181,7 +186,7 @@ class EngineLoop(threading.Thread):
         for job in jobs:
             if job.future.cancelled():  # its client went away before it reached the engine: it never runs
                 self.spool.release(job.nbytes)
-                self.abandoned += 1
+                self.count_abandoned()
                 continue
             leader = self._leaders.get(key := tuple(job.ids))
             if leader is not None:
@@ -283,11 +288,11 @@ class EngineLoop(threading.Thread):
                 path.unlink(missing_ok=True)
                 continue
             self._done(job, path)
-        for index, why in got["failed"]:  # its file could not be written: that request fails, the server goes on
+        for index, why, code in got["failed"]:  # its file could not be written: that request fails, the server goes on
             job = self._inflight.pop(index, None)
             self._finished_at.pop(index, None)
             if job is not None:
-                status = 507 if why.startswith("no space") else 500
+                status = 507 if code == errno.ENOSPC else 500
                 self._fail(job, RequestError(f"the row's states could not be written: {why}", status=status))
         for index in [*got["lost"], *got["redo"]]:
             job = self._inflight.pop(index, None)
@@ -301,9 +306,11 @@ class EngineLoop(threading.Thread):
                 self._hold = True
 
     def _done(self, job: _Job, path: Path) -> None:
-        """The prompt's file is written: link it for each follower, then answer (the reader deletes it)."""
+        """The prompt's file is written: link it for each follower, count the file and its links as one, then
+        answer each (the readers delete them)."""
         self._leaders.pop(tuple(job.ids), None)
         followers, job.followers = job.followers, []
+        answers = [(job, path)]
         for follower in followers:
             link = hidden_state_path(self.spool.root, next(self._numbers)).resolve()
             try:
@@ -311,25 +318,29 @@ class EngineLoop(threading.Thread):
             except OSError as exc:
                 self._fail(follower, RequestError(f"cannot link the prompt's file in the spool ({exc.strerror})", 500))
                 continue
-            self._settled(follower, link)
-        self._settled(job, path)
+            answers.append((follower, link))
+        try:
+            self.spool.written([p for _, p in answers], sum(j.nbytes for j, _ in answers))
+        except OSError as exc:  # removed from the spool before its answer went out (or unreadable): fail them, not
+            for answered, p in answers:  # the loop, and leave no file the spool does not count
+                with contextlib.suppress(OSError):
+                    p.unlink(missing_ok=True)
+                self._fail(answered, RequestError(f"the row's file left the spool before it was answered "
+                                                  f"({exc.strerror})", 500))  # fmt: skip
+            return
+        for answered, p in answers:
+            try:
+                answered.future.set_result(str(p))
+            except InvalidStateError:  # its client went away (a cancelled request): nobody will read it
+                self.spool.remove(p)
+                self.count_abandoned()
+                continue
+            self.rows += 1
+            self.tokens += len(answered.ids)
 
-    def _settled(self, job: _Job, path: Path) -> None:
-        try:
-            self.spool.written(path, job.nbytes)
-        except OSError as exc:  # removed from the spool before its answer went out (or unreadable): fail it, not
-            with contextlib.suppress(OSError):  # the loop, and leave no file the spool does not count
-                path.unlink(missing_ok=True)
-            self._fail(job, RequestError(f"the row's file left the spool before it was answered ({exc.strerror})", 500))
-            return
-        try:
-            job.future.set_result(str(path))
-        except InvalidStateError:  # its client went away (a cancelled request): nobody will read it
-            self.spool.remove(path)
+    def count_abandoned(self) -> None:
+        with self._count_lock:
             self.abandoned += 1
-            return
-        self.rows += 1
-        self.tokens += len(job.ids)
 
     def _fail(self, job: _Job, error: RequestError) -> None:
         if self._leaders.get(tuple(job.ids)) is job:
@@ -340,9 +351,8 @@ class EngineLoop(threading.Thread):
         self.spool.release(job.nbytes)
         try:
             job.future.set_exception(error)
-        except InvalidStateError:  # cancelled meanwhile: nobody waits for it
-            pass
-
+        except InvalidStateError:  # cancelled meanwhile: its client went away
+            self.count_abandoned()
 
 
 def capture_engine(cfg, max_model_len: int, folder: Path, aux_ids: list[int], watch: EngineWatch):

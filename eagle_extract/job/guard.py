@@ -16,21 +16,28 @@ import select
 import signal
 import sys
 
-SCAN_S = 0.5
+SCAN_S = 0.2  # a process started less than this before the parent's death can be missed
 
 
-def _descendants(parent, ignored: set[int]) -> dict[int, object]:
+def _started(proc) -> float | None:
+    """When `proc` (a psutil.Process or a pid) started; None when it is gone."""
     import psutil
 
-    found = {}
+    try:
+        return (proc if isinstance(proc, psutil.Process) else psutil.Process(proc)).create_time()
+    except psutil.Error:
+        return None
+
+
+def _descendants(parent, ignored: dict[int, float | None]) -> dict[int, object]:
+    """The parent's descendants but those named to be ignored (the same processes: a reused pid is not one)."""
+    import psutil
+
     try:
         children = parent.children(recursive=True)
     except psutil.Error:
-        return found
-    for proc in children:
-        if proc.pid not in ignored:
-            found[proc.pid] = proc
-    return found
+        return {}
+    return {p.pid: p for p in children if p.pid not in ignored or _started(p) != ignored[p.pid]}
 
 
 def _stop(noted: dict[int, object]) -> None:
@@ -66,7 +73,7 @@ def main(argv: list[str]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a terminal's Ctrl-C or a scheduler's
         signal.signal(sig, signal.SIG_IGN)  # SIGTERM to the whole group must not end the guard before its parent
     parent = psutil.Process(int(argv[0]))
-    ignored = {int(pid) for pid in argv[1:]} | {os.getpid()}
+    ignored = {pid: _started(pid) for pid in [*map(int, argv[1:]), os.getpid()]}
     noted: dict[int, object] = {}
     stdin = sys.stdin.fileno()
     while True:

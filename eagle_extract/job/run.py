@@ -371,7 +371,7 @@ def drain_workers(
         "written_by": [r["written"] for r in reports],
         "redo": sorted({i for r in reports for i in r["redo"]}),  # every pipeline stage reads the same steps
         "lost": sorted({i for r in reports for i in r["lost"]}),
-        "failed": [f for r in reports for f in r.get("failed", ())],  # (row, why): rows that failed alone
+        "failed": [f for r in reports for f in r.get("failed", ())],  # (row, why, errno): rows that failed alone
         "untrusted": any(r["untrusted"] for r in reports),
         "stats": reports[0]["stats"] if reports else {},
         # every pipeline stage settles every row: the stage that lost most tells
