@@ -10,6 +10,8 @@ One vLLM start: the tiny Llama in float32.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +24,7 @@ import pytest
 import torch
 
 from .common import Reference, rel_err
-from .test_serve import Server, _dataset, _free_port, _online_dataset
+from .test_serve import Server, _alive, _dataset, _free_port, _online_dataset
 
 TTL_S = 8  # --spool-ttl of the server: an uncollected object goes this long after it was put
 SEGMENT_GIB = 1 / 64  # the server's segment, Mooncake's least: 16 MiB, of which 80% for our objects
@@ -200,3 +202,33 @@ def test_a_stopped_master_is_a_503_with_one_line_and_a_restarted_one_serves_agai
     rows = _rows(3, seed=2)
     online = _online_dataset(_dataset(tmp_path / "data", rows), s, _transfer(master))
     _check([online[i] for i in range(len(rows))], rows, Reference(tiny_llama))
+
+
+def test_sigkill_of_the_server_leaves_no_engine_and_the_next_start_sweeps_its_rows(mooncake_server):
+    """The module's last use of its server: killed outright, its engine goes with it (the guard), and what it
+    left in the spool is swept by the next server's start, while a live server's folder stays."""
+    from eagle_extract.files.spool import LOCK_NAME, folder_prefix, hold_folder, sweep_dead_servers
+
+    s = mooncake_server
+    engine = s.engine()
+    assert engine, "no engine process found"
+    os.kill(s.proc.pid, signal.SIGKILL)
+    s.proc.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while [p for p in engine if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in engine if _alive(p)], [p.pid for p in engine if _alive(p)]
+    left = s.folder() / "hidden_states" / "hs_7.safetensors"  # a row the killed server had not put yet
+    left.write_bytes(b"x" * 5000)
+    live = s.spool / f"{folder_prefix()}live"
+    (live / "hidden_states").mkdir(parents=True)
+    (live / "hidden_states" / "hs_0.safetensors").write_bytes(b"x" * 1000)
+    held = hold_folder(live)
+    try:
+        folders, freed = sweep_dead_servers(s.spool)
+        assert folders == 1 and freed >= 5000
+    finally:
+        os.close(held)
+    assert not left.parent.exists() and (s.folder() / LOCK_NAME).exists()  # its rows are gone, its log stays
+    assert (live / "hidden_states" / "hs_0.safetensors").exists()
+    assert sweep_dead_servers(s.spool) == (1, 1000)  # the live one, once its server is gone

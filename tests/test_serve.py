@@ -333,6 +333,27 @@ def test_a_client_that_goes_away_leaves_no_row_and_no_bytes_and_a_linked_row_cou
     assert scraped["eagle_extract_row_seconds_count"] >= 7 and scraped["eagle_extract_engine_step_seconds_total"] > 0
 
 
+def test_a_row_whose_file_cannot_be_written_fails_alone_and_the_server_goes_on(smollm2_server):
+    s = smollm2_server
+    got, answer = s.post("/completions", {"prompt": [5, 6, 7]})
+    assert got == 200
+    served = Path(answer["kv_transfer_params"]["hidden_states_path"])
+    index = int(served.stem.rpartition("_")[2])
+    served.unlink()
+    # the next row's file name is taken by a folder: its rename fails as a full or broken disk would
+    blocker = served.with_name(f"hs_{index + 1}.safetensors")
+    (blocker / "taken").mkdir(parents=True)
+    got, answer = s.post("/completions", {"prompt": [8, 9, 10, 11]})
+    assert got in (500, 507) and "could not be written" in answer["error"]["message"], answer
+    assert _health(s)["status"] == "ok"
+    got, answer = s.post("/completions", {"prompt": [12, 13]})  # the next request is served
+    assert got == 200, answer
+    Path(answer["kv_transfer_params"]["hidden_states_path"]).unlink()
+    (blocker / "taken").rmdir()
+    blocker.rmdir()
+    assert _eventually(lambda: _health(s)["spool_bytes"] == 0, 3)  # the failed row's reservation went back
+
+
 def test_sigterm_answers_the_request_in_flight_refuses_the_waiting_one_then_exits_0(smollm2_server):
     """The request in the engine is answered; the one waiting for spool room gets 503 at once."""
     s = smollm2_server

@@ -1,85 +1,35 @@
-"""`eagle-extract serve` under a trainer fleet: a row whose file cannot be written fails alone, a server killed
-with SIGKILL leaves no engine behind, and the rows it left in the spool are swept by the next server's start
-while a live server's are not.  One tiny Llama server (a vLLM start)."""
+"""`eagle-extract serve` under a trainer fleet, the parts that need no engine: the API key, the spool's bound and
+count, and the engine's guard.  (With an engine: tests/test_serve.py, and tests/test_mooncake.py's SIGKILL.)"""
 
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
-from .test_serve import Server, _alive, _eventually, _health
+from .test_serve import _alive
 
 KEY = "s3cret"
-AUTH = {"authorization": f"bearer {KEY}"}  # the scheme in lower case, as RFC 7235 allows
 
 
-@pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory, tiny_llama):
-    server = Server(tiny_llama, tmp_path_factory.mktemp("spool"), "--dtype", "float32", "--layers", "1,3",
-                    "--api-key", KEY)  # fmt: skip
-    yield server
-    server.stop()
+def test_the_api_key_is_checked_with_any_case_of_the_scheme():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
 
+    from eagle_extract.faces.routes import _Authorized
 
-def test_a_row_whose_file_cannot_be_written_fails_alone_and_the_server_goes_on(tiny_server):
-    s = tiny_server
-    got, answer = s.post("/completions", {"prompt": [5, 6, 7]}, {"authorization": f"Bearer {KEY}x"})
-    assert got == 401
-    got, answer = s.post("/completions", {"prompt": [5, 6, 7]}, AUTH)
-    assert got == 200
-    served = Path(answer["kv_transfer_params"]["hidden_states_path"])
-    index = int(served.stem.rpartition("_")[2])
-    served.unlink()
-    # the next row's file name is taken by a folder: its rename fails as a full or broken disk would
-    blocker = served.with_name(f"hs_{index + 1}.safetensors")
-    (blocker / "taken").mkdir(parents=True)
-    got, answer = s.post("/completions", {"prompt": [8, 9, 10, 11]}, AUTH)
-    assert got in (500, 507) and "could not be written" in answer["error"]["message"], answer
-    assert _health(s, AUTH)["status"] == "ok"
-    got, answer = s.post("/completions", {"prompt": [12, 13]}, AUTH)  # the next request is served
-    assert got == 200, answer
-    Path(answer["kv_transfer_params"]["hidden_states_path"]).unlink()
-    (blocker / "taken").rmdir()
-    blocker.rmdir()
-    assert _eventually(lambda: _health(s, AUTH)["spool_bytes"] == 0, 3)  # the failed row's reservation went back
-
-
-def test_sigkill_of_the_server_leaves_no_engine_and_the_next_start_sweeps_its_rows(tiny_server, tmp_path):
-    from eagle_extract.files.spool import LOCK_NAME, folder_prefix, hold_folder, sweep_dead_servers
-
-    s = tiny_server
-    got, answer = s.post("/completions", {"prompt": list(range(100, 400))}, AUTH)  # a row nobody collects
-    assert got == 200
-    left = Path(answer["kv_transfer_params"]["hidden_states_path"])
-    engine = s.engine()
-    assert engine, "no engine process found"
-    os.kill(s.proc.pid, signal.SIGKILL)
-    s.proc.wait(timeout=10)
-    deadline = time.monotonic() + 15
-    while [p for p in engine if _alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [p for p in engine if _alive(p)], [p.pid for p in engine if _alive(p)]
-    assert left.exists()  # what SIGKILL left; a live server's folder beside it must stay
-    size = left.stat().st_size
-    live = s.spool / f"{folder_prefix()}live"
-    (live / "hidden_states").mkdir(parents=True)
-    (live / "hidden_states" / "hs_0.safetensors").write_bytes(b"x" * 1000)
-    held = hold_folder(live)
-    try:
-        folders, freed = sweep_dead_servers(s.spool)
-    finally:
-        os.close(held)
-    assert folders == 1 and freed >= size
-    assert not left.exists() and not left.parent.exists()
-    assert (left.parent.parent / LOCK_NAME).exists()  # the dead server's folder and log stay; its rows are gone
-    assert (live / "hidden_states" / "hs_0.safetensors").exists()
-    assert sweep_dead_servers(s.spool) == (1, 1000)  # the live one, once its server is gone
+    app = FastAPI()
+    app.get("/health")(lambda: {"status": "ok"})
+    app.add_middleware(_Authorized, key=KEY)
+    client = TestClient(app)
+    for header, status in [(f"Bearer {KEY}", 200), (f"bearer {KEY}", 200), (f"BEARER  {KEY}", 200),
+                           (f"Bearer {KEY}x", 401), (KEY, 401), ("", 401)]:  # fmt: skip
+        got = client.get("/health", headers={"authorization": header} if header else {})
+        assert got.status_code == status, (header, got.status_code)
+        assert status == 200 or got.json()["error"]["code"] == 401
 
 
 def test_a_row_larger_than_the_spool_or_its_filesystem_is_refused_and_room_is_counted_once(tmp_path):

@@ -125,21 +125,30 @@ def test_synthesized_prompts_are_complete_distinct_and_never_a_held_out_one(tmp_
     assert dropped == {"cut_at_max_tokens": 1, "too_short": 1, "repeated": 1, "held_out": 1}
 
 
-@pytest.mark.parametrize("kind", ["peagle", "dflash", "dflash2", "dspark"])
-def test_every_kind_speculators_trains_builds_its_draft_from_the_extracted_layers(kind, tmp_path, smollm2_bf16_out):
-    """The same output trains every kind (eagle3 above); a dry run builds each untrained draft on the CPU."""
+def test_every_kind_speculators_trains_builds_its_draft_from_the_extracted_layers(tmp_path, smollm2_bf16_out):
+    """The same output trains every kind (eagle3 above); a dry run builds each untrained draft on the CPU (two at
+    a time: each is a process of its own that mostly loads the verifier)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     manifest = json.loads((smollm2_bf16_out / "eagle_extract.json").read_text())
-    draft = tmp_path / "draft"
-    proc = run_script("train_draft.py", str(smollm2_bf16_out), "--save-path", str(draft), "--speculator-type", kind,
-                      "--dry-run", "--", "--num-layers", "1")  # fmt: skip
-    assert proc.returncode == 0, failure(proc)
-    config = json.loads((draft / "config.json").read_text())
-    assert config["speculators_model_type"] == kind
-    assert config["speculators_config"]["verifier"]["name_or_path"] == manifest["model"]
-    assert json.dumps(manifest["aux_layer_ids"])[1:-1] in json.dumps(config)  # the ids the output holds
-    said = proc.stdout.strip().splitlines()[-1]
-    assert said.startswith("serve: vllm serve ") and json.loads(said.split("'")[1])["method"] in ("eagle3", "dflash",
-                                                                                                  "dspark")  # fmt: skip
+
+    def dry_run(kind: str):
+        return run_script("train_draft.py", str(smollm2_bf16_out), "--save-path", str(tmp_path / kind),
+                          "--speculator-type", kind, "--dry-run", "--", "--num-layers", "1")  # fmt: skip
+
+    kinds = ["peagle", "dflash", "dflash2", "dspark"]
+    with ThreadPoolExecutor(2) as pool:
+        runs = dict(zip(kinds, pool.map(dry_run, kinds)))
+    for kind, proc in runs.items():
+        assert proc.returncode == 0, (kind, failure(proc))
+        config = json.loads((tmp_path / kind / "config.json").read_text())
+        assert config["speculators_model_type"] == kind
+        assert config["speculators_config"]["verifier"]["name_or_path"] == manifest["model"]
+        assert json.dumps(manifest["aux_layer_ids"])[1:-1] in json.dumps(config)  # the ids the output holds
+        said = proc.stdout.strip().splitlines()[-1]
+        method = json.loads(said.split("'")[1])["method"]
+        assert said.startswith("serve: vllm serve ") and method == {"peagle": "eagle3", "dflash2": "dflash"}.get(
+            kind, kind)  # fmt: skip
 
 
 def test_a_kind_the_output_or_the_verifier_cannot_train_is_refused_in_one_line(tmp_path, smollm2_bf16_out):
