@@ -175,3 +175,18 @@ def test_the_printed_training_command_of_every_kind_parses_as_speculators_own(ki
     parsed = build_parser().parse_args(shlex.split(line)[2:])
     assert parsed.speculator_type == kind
     assert getattr(parsed, "target_layer_ids", None) == (None if kind == "mtp" else [2, 15, 27])
+
+
+def test_the_layer_ids_a_training_command_asks_for_are_read_up_to_the_next_flag():
+    import click
+
+    sys.path.insert(0, str(TRAIN))
+    from train_draft import refuse_unheld_layers
+
+    held = {"aux_layer_ids": [2, 15, 27]}
+    refuse_unheld_layers("dflash", held, ("--target-layer-ids", "2", "15", "--block-size", "16", "--num-layers", "5"))
+    refuse_unheld_layers("dflash", held, ("--target-layer-ids=27", "--num-layers", "5"))
+    refuse_unheld_layers("mtp", held, ("--target-layer-ids", "9"))  # mtp reads the final slot alone
+    for asked in [("--target-layer-ids", "2", "9"), ("--target-layer-ids=9", "--block-size", "16")]:
+        with pytest.raises(click.ClickException, match="not \\[9\\]"):
+            refuse_unheld_layers("dflash", held, asked)

@@ -72,7 +72,7 @@ def trainer_args(output: Path, manifest: dict, opts: dict) -> list[str]:
     ]  # fmt: skip
     if opts["draft_vocab_size"]:
         args += ["--draft-vocab-size", str(opts["draft_vocab_size"])]
-    if opts["speculator_type"] == "eagle3":  # speculators defaults the other kinds to un-normed outputs already
+    if opts["speculator_type"] in ("eagle3", "peagle"):  # the kinds whose drafts read norm_output
         args.append("--norm-output" if opts["norm_output"] else "--no-norm-output")
     if opts["dry_run"]:
         args.append("--dry-run")
@@ -81,10 +81,18 @@ def trainer_args(output: Path, manifest: dict, opts: dict) -> list[str]:
 
 def refuse_unheld_layers(kind: str, manifest: dict, extra: tuple[str, ...]) -> None:
     """--target-layer-ids among the further flags may name only layers the output holds."""
-    if "--target-layer-ids" not in extra:
+    asked, taking = [], False
+    for arg in extra:  # `--target-layer-ids 2 15 27` or `--target-layer-ids=2`, up to the next flag
+        name, eq, value = arg.partition("=")
+        if name == "--target-layer-ids":
+            taking = not eq
+            asked += [int(value)] if eq and value.isdigit() else []
+        elif arg.startswith("--"):
+            taking = False
+        elif taking and arg.isdigit():
+            asked.append(int(arg))
+    if not asked:
         return
-    at = extra.index("--target-layer-ids") + 1
-    asked = [int(v) for v in extra[at:] if v.lstrip("-").isdigit() and not v.startswith("--")]
     missing = missing_layers(kind, asked, manifest["aux_layer_ids"])
     if missing:
         raise click.ClickException(
@@ -96,6 +104,8 @@ def refuse_unheld_layers(kind: str, manifest: dict, extra: tuple[str, ...]) -> N
 
 def refuse_mtp_without_heads(verifier: str) -> None:
     """speculators builds an mtp draft from the verifier's own MTP weights; without them it fails after loading."""
+    if not Path(verifier).is_dir():  # a hub name: speculators reads it itself
+        return
     index = Path(verifier) / "model.safetensors.index.json"
     if index.is_file():
         names = json.loads(index.read_text()).get("weight_map", {})
@@ -103,7 +113,7 @@ def refuse_mtp_without_heads(verifier: str) -> None:
         from safetensors import safe_open
 
         names = [n for f in Path(verifier).glob("*.safetensors") for n in safe_open(str(f), "pt").keys()]
-    if not any(".mtp." in f".{n}" for n in names):
+    if not any(n.startswith("mtp.") for n in names):  # as speculators looks for them
         raise click.ClickException(
             f"--speculator-type mtp builds the draft from the verifier's own MTP weights (mtp.*), and {verifier} "
             "has none; train another kind (eagle3, dflash, dspark, ...) on this output"
