@@ -78,14 +78,16 @@ class EngineLoop(threading.Thread):
         self._finished: list[int] = []  # finished by the engine (or refused by vLLM) since the workers were told
 
     def submit(self, ids: list[int], nbytes: int) -> Future:
-        if self.failed:
-            raise RequestError(f"the engine failed: {self.failed}", status=503)
         job = _Job(ids, nbytes, Future())
         with self._closing:  # the loop takes no job once it has ended: refused here, never left waiting
-            if self._closed or self.stopping.is_set():
-                raise RequestError(f"the engine failed: {self.failed}" if self.failed else STOPPING, status=503)
+            if self.failed or self._closed or self.stopping.is_set():
+                raise self._refusal()
             self.jobs.put(job)
         return job.future
+
+    def _refusal(self) -> RequestError:
+        """What a request the loop will not run is answered: the engine's failure, or the server's stop."""
+        return RequestError(f"the engine failed: {self.failed}" if self.failed else STOPPING, status=503)
 
     def run(self) -> None:
         engine = self.llm.llm_engine
@@ -93,7 +95,7 @@ class EngineLoop(threading.Thread):
             while not (self.stopping.is_set() and self.jobs.empty() and not self._owed()):
                 if self.stopping.is_set():  # what has not reached the engine is refused at once; the rest answered
                     for job in [*self._held, *self._queued()]:
-                        self._fail(job, RequestError(STOPPING, status=503))
+                        self._fail(job, self._refusal())
                     self._held = []
                 fresh = [] if self._hold else self._admit()
                 if self._running or fresh:
@@ -142,9 +144,8 @@ class EngineLoop(threading.Thread):
             self.note(f"engine loop failed: {self.failed}")
         with self._closing:
             self._closed = True
-        why = f"the engine failed: {self.failed}" if self.failed else STOPPING
         for job in [*self._inflight.values(), *self._parked, *self._held, *self._queued()]:
-            self._fail(job, RequestError(why, status=503))
+            self._fail(job, self._refusal())
 
     def waiting(self) -> int:
         """Requests taken by the server, not yet in the engine."""
