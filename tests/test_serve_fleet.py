@@ -84,7 +84,11 @@ guard = [sys.executable, "-I", sys.argv[1], str(os.getpid()), str(kept.pid)]
 guard = subprocess.Popen(guard, stdin=subprocess.PIPE, start_new_session=True)
 spawner = f"import subprocess, time; subprocess.Popen({sleep!r}); time.sleep(60)"
 child = subprocess.Popen([sys.executable, "-c", spawner])
-time.sleep(2)  # the guard has seen the child and its own child
+import psutil
+deadline = time.monotonic() + 30
+while not psutil.Process(child.pid).children() and time.monotonic() < deadline:  # a loaded machine starts slowly
+    time.sleep(0.05)
+time.sleep(1)  # the guard, looking every 0.2 s, has seen the child and its own child
 if sys.argv[2] == "dismiss":
     guard.communicate(b"done\\n")
 print(kept.pid, child.pid, guard.pid, flush=True)
