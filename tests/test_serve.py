@@ -432,8 +432,8 @@ def test_fp8_rows_read_by_fp8transfer_and_a_dead_engine_ends_the_server(tmp_path
             )
             assert rel_err(got.float(), ref.slots(ids, [1, 3, 6])) < 0.05  # bf16 engine, FP8 storage
         engine = server.engine()
-        assert len(engine) >= 2, "no vLLM engine core and worker found"
-        worker = next(p for p in engine if "Worker" in p.name())
+        assert engine, "no vLLM engine process found"
+        worker = next((p for p in engine if "Worker" in p.name()), engine[0])  # a GPU's TP=1: the core runs it
         worker.kill()
         assert server.proc.wait(timeout=60) != 0
         time.sleep(0.5)
