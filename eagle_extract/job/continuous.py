@@ -147,6 +147,17 @@ class EngineLoop(threading.Thread):
         for job in [*self._inflight.values(), *self._parked, *self._held, *self._queued()]:
             self._fail(job, self._refusal())
 
+    def engine_died(self, why: str) -> None:
+        """From the engine's watch, in a process that outlives its engine (a Ray Serve replica): every request
+        held is answered 503 now, whether or not this loop's thread is blocked on the dead engine."""
+        self.failed = self.failed or why
+        with self._closing:
+            self._closed = True
+        for job in [*list(self._inflight.values()), *list(self._parked), *list(self._held), *self._queued()]:
+            for each in [job, *job.followers]:
+                with contextlib.suppress(InvalidStateError):
+                    each.future.set_exception(self._refusal())
+
     def waiting(self) -> int:
         """Requests taken by the server, not yet in the engine."""
         return self.jobs.qsize() + len(self._held)

@@ -47,6 +47,8 @@ class EngineWatch:
         self.note = None  # writes a line to the run's log
         self.advice = "every completed row is kept: fix the cause and rerun the same command to resume"
         self.cleanup = None  # called before the process ends on a failure (the server removes its spool's files)
+        self.exits = True  # a failure ends the process; False (a Ray Serve replica): it is kept in `failed`
+        self.failed: str | None = None
         self.heartbeat: Path | None = None
         self.procs: dict[int, object] = {}  # pid -> psutil.Process, every engine process seen
         self.helpers: dict[int, object] = {}  # the same for Ray's own processes, stopped with the engine
@@ -138,9 +140,19 @@ class EngineWatch:
     def _fail(self, what: str) -> None:
         if self.stop.is_set() or interrupted():  # the main thread is already stopping, and says why
             return
-        self.failing.set()  # from now on the main thread waits in reap() for this thread to end the process
         line = f"Error: {what}; {self.advice}"
         line += f" (the run's log: {self.log_path})" if self.log_path else ""
+        if not self.exits:  # the process goes on: its owner reads `failed`, the rest of the engine is stopped
+            self.failed = what
+            with contextlib.suppress(OSError, ValueError):
+                self._stop_engine()
+                if self.cleanup:
+                    self.cleanup()
+                if self.note:
+                    self.note(line)
+            self.stop.set()  # this thread's loop ends: the engine is gone
+            return
+        self.failing.set()  # from now on the main thread waits in reap() for this thread to end the process
         # stopping the engine or writing the log can block (a hung filesystem): the line and the exit come anyway
         threading.Timer(30.0, _exit_with, (line,)).start()
         try:

@@ -1,0 +1,330 @@
+"""`serve --replicas N`: N engines behind one endpoint, as Ray Serve replicas of the one-engine server
+(serve.engine_server: the same loop, matcher, writer and routes), on this machine or on a Ray cluster.
+
+Ray Serve's proxy takes the requests on --host/--port (on every node of a cluster) and gives each to the replica
+with the fewest requests in it; the replica that runs a row answers it.  A replica whose engine fails is
+restarted (its requests get 503, which speculators' client retries, and the others serve meanwhile; the new one
+sweeps the dead one's rows).  SIGTERM or Ctrl-C stops every replica, each removing its files, then the Ray of
+our own.  The replicas' lines and counts reach this process through a small actor, the tally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import FIFOMixin, RequestRouter
+
+from ..config import ExtractConfig, ServeOptions
+from ..errors import ExtractError
+from ..interrupts import note_interrupt
+from ..job.engine import cpu_thread_binding
+from .serve import COLLECT_S, GRACE_S, PROGRESS_S, _listen, engine_server, prepare
+
+APP = "eagle-extract"  # the Ray Serve application: one server per Ray cluster (its HTTP port is the cluster's)
+NAMESPACE = "eagle-extract"
+TALLY = "eagle-extract-tally"
+GONE_S = 10.0  # a replica whose counts have not come for this long has gone
+HEALTH_PERIOD_S = 2.0  # how often Ray Serve asks each replica whether its engine still runs
+STOP_S = 120.0  # a replica's own stop at the end (requests answered, files read, engine stopped) may take this
+ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "EAGLE_EXTRACT_", "MOONCAKE_")  # the replicas see ours
+
+
+class FewestRequests(FIFOMixin, RequestRouter):
+    """Each request to the replica holding the fewest (Ray Serve's queue lengths), among all of them."""
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        return [candidate_replicas]
+
+
+class Tally:
+    """The replicas' counts and lines, for this process's progress lines and every replica's /health."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, tuple[float, dict]] = {}
+        self.lines: list[tuple[int, str]] = []
+        self.failures: list[tuple[int, str]] = []
+
+    def put(self, rank: int, counts: dict) -> None:
+        self.counts[rank] = (time.time(), counts)
+
+    def say(self, rank: int, line: str) -> None:
+        self.lines.append((rank, line))
+
+    def failed(self, rank: int, message: str) -> None:
+        self.failures.append((rank, message))
+
+    def read(self) -> dict:
+        """The replicas alive: seen in the last GONE_S (a replica Ray Serve replaced goes, its rows stay counted)."""
+        now = time.time()
+        return {rank: {**c, "seconds_since_seen": round(now - at, 1)} for rank, (at, c) in self.counts.items()
+                if now - at < GONE_S}  # fmt: skip
+
+    def rows(self) -> tuple[int, int]:
+        """Rows served by every replica there was, and how many replicas that was."""
+        return sum(c["rows"] for _, c in self.counts.values()), len(self.counts)
+
+    def take(self) -> tuple[list, list]:
+        lines, failures, self.lines, self.failures = self.lines, self.failures, [], []
+        return lines, failures
+
+
+class CaptureReplica:
+    """One replica: the one-engine server, its routes served through Ray Serve's proxy."""
+
+    def __init__(self, cfg: ExtractConfig, opts: ServeOptions, seen_mark: str | None) -> None:
+        self.rank = serve.get_replica_context().rank.rank
+        self.tally = ray.get_actor(TALLY, namespace=NAMESPACE)
+        self.stack, self.closing, self.fleet = contextlib.ExitStack(), threading.Event(), {}
+        try:
+            if seen_mark and not Path(seen_mark).exists():
+                raise ExtractError(
+                    f"--spool {opts.spool}: node {socket.gethostname()} does not see the folder the server's own node "
+                    "sees there; pass a --spool every node and the trainer see (NFS, Lustre), or --transfer mooncake"
+                )
+            if not _gpus():  # a CPU: this replica's share of this machine's cores
+                local = serve.get_replica_context().rank.local_rank
+                cores = sorted(os.sched_getaffinity(0))
+                per = max(cfg.tp, len(cores) // opts.replicas)
+                share = cores[local * per : (local + 1) * per] or cores[-per:]
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(cfg.tp, share)
+            prepared = prepare(cfg, opts, self.say)
+            self.core = self.stack.enter_context(
+                engine_server(cfg, opts, self.say, prepared, 1 / opts.replicas, in_replica=True)
+            )
+        except BaseException as exc:
+            self.tally.failed.remote(self.rank, str(exc) if isinstance(exc, ExtractError) else repr(exc))
+            raise
+        self.core.app.state.fleet = self.read_fleet
+        threading.Thread(target=self._janitor, daemon=True, name="eagle-replica-spool").start()
+
+    def __serve_build_asgi_app__(self):
+        return self.core.app
+
+    def say(self, line: str) -> None:
+        print(line, flush=True)
+        self.tally.say.remote(self.rank, line)
+
+    def read_fleet(self) -> dict:
+        return {"replica": self.rank, "replicas": self.fleet}
+
+    def counts(self) -> dict:
+        loop, spool = self.core.loop, self.core.spool
+        return {"node": socket.gethostname(), "pid": os.getpid(), "rows": loop.rows, "tokens": loop.tokens,
+                "run_again": loop.redone, "abandoned": loop.abandoned, "spool_bytes": spool.used(),
+                "requests_held": len(self.core.app.state.live), "failed": self.core.failed()}  # fmt: skip
+
+    def _janitor(self) -> None:
+        told = False
+        while not self.closing.wait(0.5):
+            self.core.sweep()
+            if self.core.failed() and not told:
+                told = True
+                self.say(f"the engine failed: {self.core.failed()}; Ray Serve starts this replica again")
+            with contextlib.suppress(Exception):  # the tally is gone: the server is stopping
+                self.tally.put.remote(self.rank, self.counts())
+                self.fleet = ray.get(self.tally.read.remote(), timeout=5)
+
+    def check_health(self) -> None:
+        """Ray Serve restarts a replica whose engine failed."""
+        if self.core.failed():
+            raise RuntimeError(f"replica {self.rank}: the engine failed: {self.core.failed()}")
+
+    def __del__(self) -> None:
+        """Ray Serve's stop: the requests in it were answered; their files get COLLECT_S to be read."""
+        if not hasattr(self, "core"):
+            return
+        self.closing.set()
+        self.core.stop_taking()
+        self.core.collected(COLLECT_S)
+        try:
+            self.stack.close()
+        except ExtractError as exc:
+            self.say(str(exc))
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def serve_replicas(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
+    """`opts.replicas` engines behind one endpoint until SIGTERM or Ctrl-C; returns the exit status."""
+    prepare(cfg, opts, log)  # every check before any engine: once, here
+    if opts.spool:
+        opts = replace(opts, spool=opts.spool.resolve())  # the replicas' working folder is Ray's
+    _listen(opts.host, opts.port).close()  # the port is free: Ray Serve's proxy takes it next
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    own_ray = opts.ray_address is None
+    if not own_ray:
+        _refuse_unreachable(opts.ray_address)
+    elif not _gpus() and opts.replicas * cfg.tp > len(os.sched_getaffinity(0)):
+        raise ExtractError(f"--replicas {opts.replicas} --tp {cfg.tp} needs {opts.replicas * cfg.tp} CPU cores, "
+                           f"{len(os.sched_getaffinity(0))} available; lower --replicas")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+    try:
+        ray.init(address="local" if own_ray else opts.ray_address, namespace=NAMESPACE, include_dashboard=False,
+                 log_to_driver=False, logging_level=logging.ERROR, runtime_env={"env_vars": env})  # fmt: skip
+    except Exception as exc:  # Ray raises ConnectionError, RuntimeError or ValueError here
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if own_ray:
+            raise ExtractError(f"--replicas {opts.replicas}: Ray did not start on this machine ({first})") from None
+        raise ExtractError(f"--ray-address {opts.ray_address}: Ray could not join the cluster there ({first}); "
+                           "check that it runs the same Ray and Python releases as this machine") from None  # fmt: skip
+    mark = None
+    try:
+        _refuse_unfitting(cfg, opts)
+        if opts.transfer == "file":
+            mark = _mark_spool(opts)
+        return _run(cfg, opts, log, mark)
+    finally:
+        if mark:
+            with contextlib.suppress(OSError):
+                mark.unlink()
+        ray.shutdown()  # our own Ray stops with it; a cluster's stays
+
+
+def _refuse_unreachable(address: str) -> None:
+    """Ray itself retries an unreachable head for minutes, printing as it goes: one look first, one line."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ExtractError(f"--ray-address {address}: give the Ray head's HOST:PORT (e.g. 10.0.0.1:6379)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as exc:
+        raise ExtractError(f"--ray-address {address}: no Ray cluster answers there ({exc.strerror or exc}); start "
+                           "one (`ray start --head` on its first node) or pass its HOST:PORT") from None  # fmt: skip
+
+
+def _refuse_unfitting(cfg: ExtractConfig, opts: ServeOptions) -> None:
+    """--replicas × --tp against the cluster's GPUs, each replica's on one node (a CPU's cores: before Ray)."""
+    running = False
+    with contextlib.suppress(Exception):  # no Serve on the cluster yet
+        running = APP in serve.status().applications
+    if running:
+        raise ExtractError(f"the Ray cluster at {opts.ray_address} already runs an eagle-extract server; stop it, "
+                           "or pass another --ray-address")  # fmt: skip
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus:
+        per_node = max((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
+        if opts.replicas * cfg.tp > gpus or cfg.tp > per_node:
+            raise ExtractError(
+                f"--replicas {opts.replicas} --tp {cfg.tp} needs {opts.replicas * cfg.tp} GPUs, {cfg.tp} on each "
+                f"replica's node; the Ray cluster has {gpus:g} ({per_node:g} on its largest node); lower --replicas "
+                "or --tp, or add nodes (`ray start --address`)"
+            )
+
+
+def _mark_spool(opts: ServeOptions) -> Path:
+    """A file of ours in the spool's folder, which every replica must see there (a node that does not cannot
+    give its trainer its files)."""
+    import tempfile
+
+    root = opts.spool or Path(tempfile.gettempdir())
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        mark = root / f".eagle-extract-seen-{uuid.uuid4().hex}"
+        mark.touch()
+    except OSError as exc:
+        raise ExtractError(f"--spool {root}: cannot write there ({exc.strerror}); pass a writable --spool") from None
+    return mark
+
+
+def _run(cfg: ExtractConfig, opts: ServeOptions, log, mark: Path | None) -> int:
+    tally = ray.remote(num_cpus=0)(Tally).options(name=TALLY, namespace=NAMESPACE).remote()
+    gpus = ray.cluster_resources().get("GPU", 0)
+    resources = {"num_cpus": 0, "num_gpus": cfg.tp} if gpus else {"num_cpus": 0}  # a CPU: cores bound by the replica
+    serve.start(http_options={"host": opts.host, "port": opts.port},
+                logging_config={"log_level": "ERROR", "enable_access_log": False})  # fmt: skip
+    deployment = serve.deployment(
+        serve.ingress()(CaptureReplica),
+        name="capture",
+        num_replicas=opts.replicas,
+        ray_actor_options=resources,
+        max_ongoing_requests=opts.max_requests,
+        health_check_period_s=HEALTH_PERIOD_S,
+        health_check_timeout_s=60,
+        graceful_shutdown_wait_loop_s=1,
+        graceful_shutdown_timeout_s=GRACE_S + STOP_S,
+        max_constructor_retry_count=opts.replicas,
+        request_router_config=RequestRouterConfig(request_router_class=FewestRequests),
+    )
+    started: dict = {}
+
+    def start() -> None:
+        try:
+            serve.run(deployment.bind(cfg, opts, str(mark) if mark else None), name=APP, route_prefix="/")
+            started["ok"] = True
+        except Exception as exc:  # noqa: BLE001 - the replicas' own failure, from the tally, is the line shown
+            started["error"] = exc
+
+    def relay() -> list[tuple[int, str]]:
+        lines, failures = ray.get(tally.take.remote())
+        for rank, line in lines:
+            log(f"replica {rank}: {line}")
+        return failures
+
+    threading.Thread(target=start, daemon=True, name="eagle-serve-start").start()
+    try:
+        while not started:
+            failures = relay()
+            if failures:  # the first replica that failed names the cause (the same for every one, mostly)
+                rank, message = failures[0]
+                raise ExtractError(f"replica {rank} did not start: {message}")
+            time.sleep(0.5)
+        relay()
+        if "error" in started:
+            failures = relay()
+            why = failures[0][1] if failures else str(started["error"]).strip().splitlines()[-1]
+            raise ExtractError(f"the replicas did not start: {why}")
+        stop = threading.Event()
+
+        def on_signal(signum, frame) -> None:
+            note_interrupt()
+            stop.set()
+
+        saved = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            log(f"serving http://{opts.host}:{opts.port}/v1 (model {opts.served_model_name or cfg.model}, "
+                f"{opts.replicas} replicas)")  # fmt: skip
+            said, shown = time.monotonic(), 0
+            while not stop.wait(0.5):
+                for rank, message in relay():
+                    log(f"replica {rank} did not start again: {message}")
+                if time.monotonic() - said > PROGRESS_S:
+                    said, counts = time.monotonic(), ray.get(tally.read.remote())
+                    if sum(c["rows"] for c in counts.values()) != shown:  # progress, while there is any
+                        shown = sum(c["rows"] for c in counts.values())
+                        log(_progress(counts))
+            log("stopping: the requests in flight are answered")
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+    finally:
+        with contextlib.suppress(Exception):
+            serve.delete(APP)  # every replica's own stop: its requests answered, its engine stopped, its files removed
+            relay()
+    rows, replicas = ray.get(tally.rows.remote())
+    log(f"stopped: {rows} rows served by {replicas} replicas; their spools' files are removed")
+    return 0
+
+
+def _progress(counts: dict) -> str:
+    rows = sum(c["rows"] for c in counts.values())
+    each = ", ".join(f"replica {rank}: {c['rows']} rows, {c['requests_held']} held"
+                     + (" (its engine failed)" if c["failed"] else "")
+                     for rank, c in sorted(counts.items()))  # fmt: skip
+    return f"{rows} rows served; {each}"
