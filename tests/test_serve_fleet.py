@@ -127,3 +127,97 @@ def test_the_guard_stops_a_dead_parents_processes_and_nothing_else(tmp_path):
     assert all(_alive(p) for p in tree) and _alive(kept)
     for proc in [*tree, kept]:
         proc.kill()
+
+
+class _Loop:
+    """The engine loop's side of a request (no engine: what is tested is the routes' handling of a request
+    Ray Serve cancels): submit gives a future the test answers; abandoned rows are counted."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import Future
+
+        self.futures: list[Future] = []
+        self.abandoned, self.failed, self.rows, self.tokens, self.redone = 0, None, 0, 0, 0
+        self.steps, self.step_s, self.drain_s, self.starved_s = 0, 0.0, 0.0, 0.0  # read by /metrics
+        self.make = Future
+
+    def submit(self, ids, nbytes):
+        future = self.make()
+        self.futures.append(future)
+        return future
+
+    def count_abandoned(self) -> None:
+        self.abandoned += 1
+
+    def waiting(self) -> int:
+        return 0
+
+
+def test_a_request_ray_serve_cancels_never_runs_or_has_its_row_removed(tmp_path, smollm2):
+    """Ray Serve cancels the route's task when its client goes away: before the row runs, its future is
+    cancelled (the loop drops it); once it runs, the row's file is removed as soon as it is written."""
+    import asyncio
+    import json
+
+    from transformers import AutoTokenizer
+
+    from eagle_extract.config import ServeOptions
+    from eagle_extract.faces.requests import Requests
+    from eagle_extract.faces.routes import make_app
+    from eagle_extract.files.spool import Spool
+
+    loop, spool = _Loop(), Spool(tmp_path, 10**9, 600)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    requests = Requests("m", tokenizer, 100, 8, len(tokenizer), None)
+    app = make_app(loop, spool, requests, ServeOptions(), 100, None, cancelled_by_host=True)
+    body = json.dumps({"model": "m", "prompt": [1, 2, 3]}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "headers": headers, "http_version": "1.1", "scheme": "http", "server": ("t", 80),
+             "client": ("c", 1), "root_path": ""}  # fmt: skip
+
+    async def request(answer) -> None:
+        sent = []
+
+        async def receive():
+            if not sent:
+                sent.append(True)
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # the client says nothing more
+
+        async def send(message):
+            raise AssertionError(f"a cancelled request was answered: {message}")
+
+        task = asyncio.create_task(app(scope, receive, send))
+        count = len(loop.futures)
+        while len(loop.futures) == count:
+            await asyncio.sleep(0.01)
+        await answer(loop.futures[-1], task)
+
+    async def cancelled_before_it_runs(future, task) -> None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.1)
+        assert future.cancelled() and loop.abandoned == 0  # the loop drops it, and counts it then
+        spool.release(24)  # as the loop does for a row it drops: 3 tokens of 8 bytes
+
+    async def cancelled_while_it_runs(future, task) -> None:
+        assert future.set_running_or_notify_cancel()  # in the engine: it can no longer be dropped
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        row = tmp_path / "hs_0.safetensors"
+        row.write_bytes(b"x" * 24)
+        spool.written([row], 24)
+        future.set_result(str(row))
+        for _ in range(100):
+            if not row.exists() and loop.abandoned == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert not row.exists() and loop.abandoned == 1 and spool.used() == 0
+
+    async def both() -> None:
+        await request(cancelled_before_it_runs)
+        await request(cancelled_while_it_runs)
+
+    asyncio.run(both())
+    assert not app.state.live and not app.state.cleanups  # nothing held

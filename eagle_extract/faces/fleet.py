@@ -28,7 +28,7 @@ from ray.serve.request_router import FIFOMixin, RequestRouter
 
 from ..config import ExtractConfig, ServeOptions
 from ..errors import ExtractError
-from ..interrupts import note_interrupt
+from ..interrupts import note_interrupt, stop_on_signals
 from ..job.engine import cpu_thread_binding
 from .serve import COLLECT_S, GRACE_S, PROGRESS_S, _listen, engine_server, prepare
 
@@ -38,7 +38,8 @@ TALLY = "eagle-extract-tally"
 GONE_S = 10.0  # a replica whose counts have not come for this long has gone
 HEALTH_PERIOD_S = 2.0  # how often Ray Serve asks each replica whether its engine still runs
 STOP_S = 120.0  # a replica's own stop at the end (requests answered, files read, engine stopped) may take this
-ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "EAGLE_EXTRACT_", "MOONCAKE_")  # the replicas see ours
+ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "EAGLE_EXTRACT_", "MOONCAKE_")  # the replicas see ours ...
+PER_NODE = ("MOONCAKE_LOCAL_HOSTNAME", "VLLM_HOST_IP", "VLLM_PORT")  # ... but a node's own address: its own
 
 
 class FewestRequests(FIFOMixin, RequestRouter):
@@ -52,12 +53,18 @@ class Tally:
     """The replicas' counts and lines, for this process's progress lines and every replica's /health."""
 
     def __init__(self) -> None:
-        self.counts: dict[int, tuple[float, dict]] = {}
+        self.counts: dict[str, tuple[float, dict]] = {}  # by replica id: Ray Serve gives a successor the same rank
         self.lines: list[tuple[int, str]] = []
         self.failures: list[tuple[int, str]] = []
+        self.stopping = False
 
-    def put(self, rank: int, counts: dict) -> None:
-        self.counts[rank] = (time.time(), counts)
+    def put(self, replica: str, counts: dict) -> bool:
+        """Returns whether the server is stopping."""
+        self.counts[replica] = (time.time(), counts)
+        return self.stopping
+
+    def stop(self) -> None:
+        self.stopping = True
 
     def say(self, rank: int, line: str) -> None:
         self.lines.append((rank, line))
@@ -68,7 +75,7 @@ class Tally:
     def read(self) -> dict:
         """The replicas alive: seen in the last GONE_S (a replica Ray Serve replaced goes, its rows stay counted)."""
         now = time.time()
-        return {rank: {**c, "seconds_since_seen": round(now - at, 1)} for rank, (at, c) in self.counts.items()
+        return {replica: {**c, "seconds_since_seen": round(now - at, 1)} for replica, (at, c) in self.counts.items()
                 if now - at < GONE_S}  # fmt: skip
 
     def rows(self) -> tuple[int, int]:
@@ -84,17 +91,19 @@ class CaptureReplica:
     """One replica: the one-engine server, its routes served through Ray Serve's proxy."""
 
     def __init__(self, cfg: ExtractConfig, opts: ServeOptions, seen_mark: str | None) -> None:
-        self.rank = serve.get_replica_context().rank.rank
+        context = serve.get_replica_context()
+        self.rank, self.replica_id = context.rank.rank, context.replica_id.unique_id
         self.tally = ray.get_actor(TALLY, namespace=NAMESPACE)
         self.stack, self.closing, self.fleet = contextlib.ExitStack(), threading.Event(), {}
         try:
             if seen_mark and not Path(seen_mark).exists():
+                where = f"--spool {opts.spool}" if opts.spool else "the default spool (each node's temporary folder)"
                 raise ExtractError(
-                    f"--spool {opts.spool}: node {socket.gethostname()} does not see the folder the server's own node "
-                    "sees there; pass a --spool every node and the trainer see (NFS, Lustre), or --transfer mooncake"
+                    f"{where}: node {socket.gethostname()} does not see the folder the server's own node sees "
+                    "there; pass a --spool every node and the trainer see (NFS, Lustre), or --transfer mooncake"
                 )
             if not _gpus():  # a CPU: this replica's share of this machine's cores
-                local = serve.get_replica_context().rank.local_rank
+                local = context.rank.local_rank
                 cores = sorted(os.sched_getaffinity(0))
                 per = max(cfg.tp, len(cores) // opts.replicas)
                 share = cores[local * per : (local + 1) * per] or cores[-per:]
@@ -121,7 +130,8 @@ class CaptureReplica:
 
     def counts(self) -> dict:
         loop, spool = self.core.loop, self.core.spool
-        return {"node": socket.gethostname(), "pid": os.getpid(), "rows": loop.rows, "tokens": loop.tokens,
+        return {"rank": self.rank, "node": socket.gethostname(), "pid": os.getpid(), "rows": loop.rows,
+                "tokens": loop.tokens,
                 "run_again": loop.redone, "abandoned": loop.abandoned, "spool_bytes": spool.used(),
                 "requests_held": len(self.core.app.state.live), "failed": self.core.failed()}  # fmt: skip
 
@@ -133,7 +143,8 @@ class CaptureReplica:
                 told = True
                 self.say(f"the engine failed: {self.core.failed()}; Ray Serve starts this replica again")
             with contextlib.suppress(Exception):  # the tally is gone: the server is stopping
-                self.tally.put.remote(self.rank, self.counts())
+                if ray.get(self.tally.put.remote(self.replica_id, self.counts()), timeout=5):
+                    self.core.stop_taking()  # the server stops: requests not yet in the engine get 503 now
                 self.fleet = ray.get(self.tally.read.remote(), timeout=5)
 
     def check_health(self) -> None:
@@ -163,8 +174,10 @@ def _gpus() -> int:
 def serve_replicas(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
     """`opts.replicas` engines behind one endpoint until SIGTERM or Ctrl-C; returns the exit status."""
     prepare(cfg, opts, log)  # every check before any engine: once, here
-    if opts.spool:
-        opts = replace(opts, spool=opts.spool.resolve())  # the replicas' working folder is Ray's
+    if opts.spool:  # the replicas' working folder is Ray's: local paths as absolute ones
+        opts = replace(opts, spool=opts.spool.resolve())
+    if Path(cfg.model).exists():
+        cfg = replace(cfg, model=str(Path(cfg.model).resolve()))
     _listen(opts.host, opts.port).close()  # the port is free: Ray Serve's proxy takes it next
     logging.getLogger("ray").setLevel(logging.ERROR)
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
@@ -174,7 +187,7 @@ def serve_replicas(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
     elif not _gpus() and opts.replicas * cfg.tp > len(os.sched_getaffinity(0)):
         raise ExtractError(f"--replicas {opts.replicas} --tp {cfg.tp} needs {opts.replicas * cfg.tp} CPU cores, "
                            f"{len(os.sched_getaffinity(0))} available; lower --replicas")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) and k not in PER_NODE}
     try:
         ray.init(address="local" if own_ray else opts.ray_address, namespace=NAMESPACE, include_dashboard=False,
                  log_to_driver=False, logging_level=logging.ERROR, runtime_env={"env_vars": env})  # fmt: skip
@@ -184,6 +197,7 @@ def serve_replicas(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
             raise ExtractError(f"--replicas {opts.replicas}: Ray did not start on this machine ({first})") from None
         raise ExtractError(f"--ray-address {opts.ray_address}: Ray could not join the cluster there ({first}); "
                            "check that it runs the same Ray and Python releases as this machine") from None  # fmt: skip
+    stop_on_signals()  # ray.init made SIGTERM exit at once: until the server serves, it interrupts the start
     mark = None
     try:
         _refuse_unfitting(cfg, opts)
@@ -219,12 +233,12 @@ def _refuse_unfitting(cfg: ExtractConfig, opts: ServeOptions) -> None:
                            "or pass another --ray-address")  # fmt: skip
     gpus = ray.cluster_resources().get("GPU", 0)
     if gpus:
-        per_node = max((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
-        if opts.replicas * cfg.tp > gpus or cfg.tp > per_node:
+        nodes = [n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]]
+        if sum(int(n // cfg.tp) for n in nodes) < opts.replicas:  # each replica's GPUs on one node
             raise ExtractError(
                 f"--replicas {opts.replicas} --tp {cfg.tp} needs {opts.replicas * cfg.tp} GPUs, {cfg.tp} on each "
-                f"replica's node; the Ray cluster has {gpus:g} ({per_node:g} on its largest node); lower --replicas "
-                "or --tp, or add nodes (`ray start --address`)"
+                f"replica's node; the Ray cluster has {gpus:g} (nodes of {', '.join(f'{n:g}' for n in nodes)}); lower "
+                "--replicas or --tp, or add nodes (`ray start --address`)"
             )
 
 
@@ -261,6 +275,7 @@ def _run(cfg: ExtractConfig, opts: ServeOptions, log, mark: Path | None) -> int:
         graceful_shutdown_timeout_s=GRACE_S + STOP_S,
         max_constructor_retry_count=opts.replicas,
         request_router_config=RequestRouterConfig(request_router_class=FewestRequests),
+        logging_config={"log_level": "WARNING", "enable_access_log": False},  # not a line a request in the logs
     )
     started: dict = {}
 
@@ -278,6 +293,7 @@ def _run(cfg: ExtractConfig, opts: ServeOptions, log, mark: Path | None) -> int:
         return failures
 
     threading.Thread(target=start, daemon=True, name="eagle-serve-start").start()
+    stop, saved, status = threading.Event(), {}, 0
     try:
         while not started:
             failures = relay()
@@ -285,46 +301,54 @@ def _run(cfg: ExtractConfig, opts: ServeOptions, log, mark: Path | None) -> int:
                 rank, message = failures[0]
                 raise ExtractError(f"replica {rank} did not start: {message}")
             time.sleep(0.5)
-        relay()
+        failures = relay()
         if "error" in started:
-            failures = relay()
             why = failures[0][1] if failures else str(started["error"]).strip().splitlines()[-1]
             raise ExtractError(f"the replicas did not start: {why}")
-        stop = threading.Event()
 
         def on_signal(signum, frame) -> None:
             note_interrupt()
             stop.set()
 
+        # from here to the end of the stop, SIGTERM and Ctrl-C stop the server instead of raising
         saved = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            log(f"serving http://{opts.host}:{opts.port}/v1 (model {opts.served_model_name or cfg.model}, "
-                f"{opts.replicas} replicas)")  # fmt: skip
-            said, shown = time.monotonic(), 0
-            while not stop.wait(0.5):
-                for rank, message in relay():
-                    log(f"replica {rank} did not start again: {message}")
-                if time.monotonic() - said > PROGRESS_S:
-                    said, counts = time.monotonic(), ray.get(tally.read.remote())
-                    if sum(c["rows"] for c in counts.values()) != shown:  # progress, while there is any
-                        shown = sum(c["rows"] for c in counts.values())
-                        log(_progress(counts))
-            log("stopping: the requests in flight are answered")
-        finally:
-            for sig, handler in saved.items():
-                signal.signal(sig, handler)
+        log(f"serving http://{opts.host}:{opts.port}/v1 (model {opts.served_model_name or cfg.model}, "
+            f"{opts.replicas} replicas)")  # fmt: skip
+        said, shown = time.monotonic(), 0
+        while not stop.wait(0.5):
+            for rank, message in relay():
+                log(f"replica {rank} did not start again: {message}; the other replicas serve on")
+            if time.monotonic() - said > PROGRESS_S:
+                said, counts = time.monotonic(), ray.get(tally.read.remote())
+                if sum(c["rows"] for c in counts.values()) != shown:  # progress, while there is any
+                    shown = sum(c["rows"] for c in counts.values())
+                    log(_progress(counts))
+        log("stopping: the requests in flight are answered")
     finally:
         with contextlib.suppress(Exception):
-            serve.delete(APP)  # every replica's own stop: its requests answered, its engine stopped, its files removed
+            ray.get(tally.stop.remote())  # requests not yet in an engine get 503 now
+            time.sleep(1)
+        try:  # every replica's own stop: its requests answered, its engine stopped, its files removed
+            serve.delete(APP)
+            if not serve.status().applications:  # Serve's proxies and controller, on a cluster too
+                serve.shutdown()
+        except Exception as exc:  # noqa: BLE001 - said in one line; the exit status says it too
+            log(f"warning: Ray Serve did not stop the replicas ({type(exc).__name__}: {exc}); check the cluster "
+                "with `serve status` for engines left running")  # fmt: skip
+            status = 1
+        with contextlib.suppress(Exception):
             relay()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
     rows, replicas = ray.get(tally.rows.remote())
-    log(f"stopped: {rows} rows served by {replicas} replicas; their spools' files are removed")
-    return 0
+    removed = "their spools' files are removed" if status == 0 else "their spools' files may remain"
+    log(f"stopped: {rows} rows served by {replicas} replicas; {removed}")
+    return status
 
 
 def _progress(counts: dict) -> str:
     rows = sum(c["rows"] for c in counts.values())
-    each = ", ".join(f"replica {rank}: {c['rows']} rows, {c['requests_held']} held"
+    each = ", ".join(f"replica {c['rank']}: {c['rows']} rows, {c['requests_held']} held"
                      + (" (its engine failed)" if c["failed"] else "")
-                     for rank, c in sorted(counts.items()))  # fmt: skip
+                     for c in sorted(counts.values(), key=lambda c: c["rank"]))  # fmt: skip
     return f"{rows} rows served; {each}"

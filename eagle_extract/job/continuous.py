@@ -139,8 +139,8 @@ class EngineLoop(threading.Thread):
                 self._hold = False
                 if not self._inflight:
                     self.watch.pause()  # idle: no time limit until the next request
-        except BaseException as exc:
-            self.failed = str(exc) if isinstance(exc, ExtractError) else f"{type(exc).__name__}: {exc}"
+        except BaseException as exc:  # the watch's reason, where it saw the engine die first, stays the reason
+            self.failed = self.failed or (str(exc) if isinstance(exc, ExtractError) else f"{type(exc).__name__}: {exc}")
             self.note(f"engine loop failed: {self.failed}")
         with self._closing:
             self._closed = True
@@ -153,8 +153,10 @@ class EngineLoop(threading.Thread):
         self.failed = self.failed or why
         with self._closing:
             self._closed = True
-        for job in [*list(self._inflight.values()), *list(self._parked), *list(self._held), *self._queued()]:
-            for each in [job, *job.followers]:
+        for job in self._queued():  # never reached this loop's thread: answered and released here
+            self._fail(job, self._refusal())
+        for job in [*list(self._inflight.values()), *list(self._parked), *list(self._held)]:  # the thread's to
+            for each in [job, *job.followers]:  # release, if it ever leaves the dead engine
                 with contextlib.suppress(InvalidStateError):
                     each.future.set_exception(self._refusal())
 
@@ -363,8 +365,9 @@ class EngineLoop(threading.Thread):
         self.spool.release(job.nbytes)
         try:
             job.future.set_exception(error)
-        except InvalidStateError:  # cancelled meanwhile: its client went away
-            self.count_abandoned()
+        except InvalidStateError:  # answered already (engine_died), or cancelled: its client went away
+            if job.future.cancelled():
+                self.count_abandoned()
 
 
 def capture_engine(cfg, max_model_len: int, folder: Path, aux_ids: list[int], watch: EngineWatch):

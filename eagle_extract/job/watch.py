@@ -144,13 +144,13 @@ class EngineWatch:
         line += f" (the run's log: {self.log_path})" if self.log_path else ""
         if not self.exits:  # the process goes on: its owner reads `failed`, the rest of the engine is stopped
             self.failed = what
-            with contextlib.suppress(OSError, ValueError):
-                self._stop_engine()
-                if self.cleanup:
-                    self.cleanup()
-                if self.note:
-                    self.note(line)
-            self.stop.set()  # this thread's loop ends: the engine is gone
+            try:
+                for step in (self.cleanup, self._stop_engine, self.note and (lambda: self.note(line))):
+                    if step:  # each on its own: the requests are answered first, whatever fails after
+                        with contextlib.suppress(Exception):
+                            step()
+            finally:
+                self.stop.set()  # this thread's loop ends: the engine is gone
             return
         self.failing.set()  # from now on the main thread waits in reap() for this thread to end the process
         # stopping the engine or writing the log can block (a hung filesystem): the line and the exit come anyway
