@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -245,8 +246,6 @@ def _refuse_unfitting(cfg: ExtractConfig, opts: ServeOptions) -> None:
 def _mark_spool(opts: ServeOptions) -> Path:
     """A file of ours in the spool's folder, which every replica must see there (a node that does not cannot
     give its trainer its files)."""
-    import tempfile
-
     root = opts.spool or Path(tempfile.gettempdir())
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -293,7 +292,7 @@ def _run(cfg: ExtractConfig, opts: ServeOptions, log, mark: Path | None) -> int:
         return failures
 
     threading.Thread(target=start, daemon=True, name="eagle-serve-start").start()
-    stop, saved, status = threading.Event(), {}, 0
+    stop, saved, ended = threading.Event(), {}, False
     try:
         while not started:
             failures = relay()
@@ -324,25 +323,37 @@ def _run(cfg: ExtractConfig, opts: ServeOptions, log, mark: Path | None) -> int:
                     shown = sum(c["rows"] for c in counts.values())
                     log(_progress(counts))
         log("stopping: the requests in flight are answered")
+        ended = True
     finally:
-        with contextlib.suppress(Exception):
-            ray.get(tally.stop.remote())  # requests not yet in an engine get 503 now
-            time.sleep(1)
-        try:  # every replica's own stop: its requests answered, its engine stopped, its files removed
-            serve.delete(APP)
-            if not serve.status().applications:  # Serve's proxies and controller, on a cluster too
-                serve.shutdown()
-        except Exception as exc:  # noqa: BLE001 - said in one line; the exit status says it too
-            log(f"warning: Ray Serve did not stop the replicas ({type(exc).__name__}: {exc}); check the cluster "
-                "with `serve status` for engines left running")  # fmt: skip
-            status = 1
-        with contextlib.suppress(Exception):
-            relay()
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-    rows, replicas = ray.get(tally.rows.remote())
-    removed = "their spools' files are removed" if status == 0 else "their spools' files may remain"
-    log(f"stopped: {rows} rows served by {replicas} replicas; {removed}")
+        try:
+            status = _stop(log, tally, relay, ended)
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+    return status
+
+
+def _stop(log, tally, relay, ended: bool) -> int:
+    """Every replica's own stop (its requests answered, its engine stopped, its files removed), then Serve's;
+    the closing line when the server had been serving.  Returns the exit status."""
+    status = 0
+    with contextlib.suppress(Exception):
+        ray.get(tally.stop.remote())  # requests not yet in an engine get 503 now
+        time.sleep(1)
+    try:
+        serve.delete(APP)
+        if not serve.status().applications:  # Serve's proxies and controller, on a cluster too
+            serve.shutdown()
+    except Exception as exc:  # noqa: BLE001 - said in one line; the exit status says it too
+        log(f"warning: Ray Serve did not stop the replicas ({type(exc).__name__}: {exc}); check the cluster "
+            "with `serve status` for engines left running")  # fmt: skip
+        status = 1
+    with contextlib.suppress(Exception):
+        relay()
+    if ended:
+        rows, replicas = ray.get(tally.rows.remote())
+        removed = "their spools' files are removed" if status == 0 else "their spools' files may remain"
+        log(f"stopped: {rows} rows served by {replicas} replicas; {removed}")
     return status
 
 
