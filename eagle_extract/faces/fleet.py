@@ -30,7 +30,7 @@ from ray.serve.request_router import FIFOMixin, RequestRouter
 from ..config import ExtractConfig, ServeOptions
 from ..errors import ExtractError
 from ..interrupts import note_interrupt, stop_on_signals
-from ..job.engine import cpu_thread_binding
+from ..job.engine import cpu_thread_binding, on_gpu
 from .serve import COLLECT_S, GRACE_S, PROGRESS_S, _listen, engine_server, prepare
 
 APP = "eagle-extract"  # the Ray Serve application: one server per Ray cluster (its HTTP port is the cluster's)
@@ -103,7 +103,7 @@ class CaptureReplica:
                     f"{where}: node {socket.gethostname()} does not see the folder the server's own node sees "
                     "there; pass a --spool every node and the trainer see (NFS, Lustre), or --transfer mooncake"
                 )
-            if not _gpus():  # a CPU: this replica's share of this machine's cores
+            if not on_gpu():  # a CPU: this replica's share of this machine's cores
                 local = context.rank.local_rank
                 cores = sorted(os.sched_getaffinity(0))
                 per = max(cfg.tp, len(cores) // opts.replicas)
@@ -166,12 +166,6 @@ class CaptureReplica:
             self.say(str(exc))
 
 
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
 def serve_replicas(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
     """`opts.replicas` engines behind one endpoint until SIGTERM or Ctrl-C; returns the exit status."""
     prepare(cfg, opts, log)  # every check before any engine: once, here
@@ -185,7 +179,7 @@ def serve_replicas(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
     own_ray = opts.ray_address is None
     if not own_ray:
         _refuse_unreachable(opts.ray_address)
-    elif not _gpus() and opts.replicas * cfg.tp > len(os.sched_getaffinity(0)):
+    elif not on_gpu() and opts.replicas * cfg.tp > len(os.sched_getaffinity(0)):
         raise ExtractError(f"--replicas {opts.replicas} --tp {cfg.tp} needs {opts.replicas * cfg.tp} CPU cores, "
                            f"{len(os.sched_getaffinity(0))} available; lower --replicas")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) and k not in PER_NODE}
