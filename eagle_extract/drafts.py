@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from .config import DRAFT_KINDS
 
-# vLLM's speculative `method` for each kind's draft folder (0.32: vllm/config/speculative.py; a P-EAGLE draft is an
-# EAGLE-3 one with parallel drafting, which vLLM reads from its config).  mtp is not served from speculators' draft
-# folder: `speculators stitch-mtp` puts its weights back into the verifier, which vLLM serves with method "mtp".
+# vLLM's speculative `method` for each kind's draft folder (0.32: vllm/config/speculative.py; a P-EAGLE draft is
+# served as an EAGLE-3 one with `parallel_drafting`, as vLLM's own reading of a speculators folder does).  mtp is not
+# served from speculators' draft folder: `speculators stitch-mtp` puts its weights back into the verifier, which
+# vLLM serves with method "mtp".
 VLLM_METHOD = {"eagle3": "eagle3", "peagle": "eagle3", "dflash": "dflash", "dflash2": "dflash", "dspark": "dspark"}
 
 
@@ -34,4 +35,5 @@ def speculative_config(kind: str, draft: str, config: dict) -> dict | None:
     if method is None:
         return None
     proposals = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    return {"method": method, "model": draft, "num_speculative_tokens": proposals[0].get("speculative_tokens", 3)}
+    served = {"method": method, "model": draft, "num_speculative_tokens": proposals[0].get("speculative_tokens", 3)}
+    return {**served, "parallel_drafting": True} if kind == "peagle" else served

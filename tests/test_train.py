@@ -190,3 +190,144 @@ def test_the_layer_ids_a_training_command_asks_for_are_read_up_to_the_next_flag(
     for asked in [("--target-layer-ids", "2", "9"), ("--target-layer-ids=9", "--block-size", "16")]:
         with pytest.raises(click.ClickException, match="not \\[9\\]"):
             refuse_unheld_layers("dflash", held, asked)
+
+
+def speculators_draft(folder: Path, kind: str) -> str:
+    """A draft folder holding the config.json speculators saves for a draft of `kind` (no weights: nothing here
+    loads them)."""
+    from speculators import SpeculatorModelConfig, SpeculatorsConfig, VerifierConfig
+    from speculators.proposals import GreedyTokenProposalConfig
+
+    proposal = SpeculatorsConfig(
+        algorithm=kind,
+        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+        default_proposal_method="greedy",
+        verifier=VerifierConfig(name_or_path="verifier", architectures=["LlamaForCausalLM"]),
+    )
+    SpeculatorModelConfig.registry[kind](speculators_config=proposal).save_pretrained(str(folder))
+    return str(folder)
+
+
+def model_config(folder: Path, **config) -> str:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+         "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 128}  # fmt: skip
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_nextn_predict_layers": 1}
+
+
+def check_plan(modes: str, drafts=(), verifier: str = "unread") -> list:
+    sys.path.insert(0, str(TRAIN))
+    from check_draft import plan
+
+    return plan(SimpleNamespace(modes=modes, draft=tuple(drafts), verifier=verifier, engine_args={}))
+
+
+def refusal(modes: str, drafts=(), verifier: str = "unread") -> str:
+    with pytest.raises(SystemExit) as refused:
+        check_plan(modes, drafts, verifier)
+    return str(refused.value.code)
+
+
+def test_each_draft_kind_is_measured_with_a_speculative_config_the_installed_vllm_accepts(tmp_path):
+    """Each kind's mode takes the --draft of its kind, and every key and value of the config the engine gets is
+    one vLLM's own SpeculativeConfig field type accepts (its `method` Literal among them)."""
+    import vllm
+    from packaging.version import Version
+    from pydantic import TypeAdapter
+    from vllm.config.speculative import SpeculativeConfig
+
+    sys.path.insert(0, str(TRAIN))
+    from check_draft import FIRST_SERVED, served_methods, speculative_config
+
+    kinds = ["eagle3", "peagle", "dflash", "dflash2", "dspark"]
+    drafts = {kind: speculators_draft(tmp_path / kind, kind) for kind in kinds}
+    verifier = model_config(tmp_path / "deepseek-v3", **DEEPSEEK_V3)  # one MTP layer, for the mtp mode
+    planned = check_plan(f"plain,{','.join(reversed(kinds))},mtp,ngram", drafts.values(), verifier)
+    assert planned == [("plain", None), *((kind, drafts[kind]) for kind in reversed(kinds)), ("mtp", None),
+                       ("ngram", None)]  # fmt: skip
+    field = {name: TypeAdapter(f.type) for name, f in SpeculativeConfig.__dataclass_fields__.items()}
+    served_as = {"peagle": "eagle3", "dflash2": "dflash"}  # vLLM's speculators reader (README's table)
+    for kind in [*kinds, "mtp"]:
+        config = speculative_config(kind, drafts.get(kind), 3)
+        for key, value in config.items():
+            field[key].validate_python(value)
+        assert config["method"] == served_as.get(kind, kind)
+        assert config.get("model") == drafts.get(kind)  # mtp's layers are the verifier's own
+        assert config.get("parallel_drafting", False) == (kind == "peagle")  # as `vllm serve DRAFT` sets it
+    for name in served_as:  # the speculators names themselves are no vLLM method
+        with pytest.raises(ValueError):
+            field["method"].validate_python(name)
+    assert {"eagle3", "dflash", "dspark", "mtp", "deepseek_mtp"} <= served_methods()  # MTP names are a nested Literal
+    assert all(Version(vllm.__version__) >= Version(release) for release in FIRST_SERVED.values())
+
+
+def test_a_draft_mode_without_a_draft_of_its_kind_is_refused_in_one_line_before_any_engine(tmp_path):
+    eagle3 = speculators_draft(tmp_path / "eagle3", "eagle3")
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text(json.dumps({"turns": ["What is 2+2?"]}) + "\n")
+    out = tmp_path / "check.json"
+    proc = run_script("check_draft.py", "--verifier", str(tmp_path), "--draft", eagle3, "--prompts", str(prompts),
+                      "--modes", "plain,dflash,ngram", "--json", str(out))  # fmt: skip
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+        f"Error: --modes dflash measures a draft of kind dflash, and no --draft is one ({eagle3}: eagle3, by "
+        "config.json's speculators_model_type); pass a draft folder of kind dflash, or measure each draft with the "
+        "mode of its kind"
+    ), proc.stderr
+    assert proc.stdout == "" and not out.exists()  # no engine started, no mode measured
+
+
+def test_draft_kinds_and_verifiers_a_mode_cannot_measure_are_refused_in_one_line(tmp_path):
+    import vllm
+
+    dflash = speculators_draft(tmp_path / "dflash", "dflash")
+    dflash_too = speculators_draft(tmp_path / "dflash-b", "dflash")
+    dspark = speculators_draft(tmp_path / "dspark", "dspark")
+    mtp = speculators_draft(tmp_path / "mtp", "mtp")
+    assert refusal("plain,xpress") == (  # speculators 0.9 trains xpress drafts; no vLLM here serves them
+        f"Error: --modes xpress: this vLLM ({vllm.__version__}) does not serve xpress drafts; a vLLM whose "
+        "SpeculativeMethod lists it does"
+    )
+    assert refusal("plain,dflash", [dflash, dflash_too]) == (
+        f"Error: --modes dflash: 2 --draft folders are of kind dflash ({dflash}, {dflash_too}); measure one per run"
+    )
+    assert refusal("dflash,dspark") == (
+        "Error: --modes dflash measures a draft: pass --draft, a draft folder of kind dflash"
+    )
+    assert refusal("eagle3", [dflash, dspark]) == (
+        f"Error: --modes eagle3 measures a draft of kind eagle3, and no --draft is one ({dflash}: dflash, {dspark}: "
+        "dspark, by config.json's speculators_model_type); pass a draft folder of kind eagle3, or measure each draft "
+        "with the mode of its kind"
+    )
+    assert refusal("plain,mtp", [mtp]) == (
+        f"Error: --draft {mtp} is an mtp draft, which vLLM serves inside its verifier: `speculators stitch-mtp {mtp} "
+        "VERIFIER` writes VERIFIER-stitched; measure that as --verifier with --modes mtp and no --draft"
+    )
+    assert refusal("eagle3", [str(tmp_path)]) == (
+        f"Error: --draft {tmp_path}: no config.json there; pass the draft folder train_draft.py prints"
+    )
+    assert refusal("plain,eagle-3") == (
+        "Error: unknown mode eagle-3; use plain, ngram, eagle3, peagle, dflash, dflash2, dspark, mtp or xpress"
+    )
+    # A draft whose config names no kind (not saved by speculators) is the only --draft: vLLM reads it as asked.
+    foreign = model_config(tmp_path / "foreign", **LLAMA)
+    assert check_plan("plain,eagle3", [foreign]) == [("plain", None), ("eagle3", foreign)]
+
+
+@pytest.mark.parametrize("name, config, layers", [
+    ("llama", LLAMA, 0),  # no MTP in vLLM for this model type
+    ("deepseek-v3-without", {**DEEPSEEK_V3, "num_nextn_predict_layers": 0}, 0),
+    ("deepseek-v3", DEEPSEEK_V3, 1),
+])  # fmt: skip
+def test_mtp_is_refused_for_a_verifier_in_whose_config_vllm_finds_no_mtp_layers(tmp_path, name, config, layers):
+    verifier = model_config(tmp_path / name, **config)
+    if layers:
+        assert check_plan("plain,mtp", verifier=verifier) == [("plain", None), ("mtp", None)]
+    else:
+        assert refusal("plain,mtp", verifier=verifier) == (
+            f"Error: --modes mtp measures the verifier's own MTP layers, and vLLM finds none in {verifier} "
+            f"(model_type {config['model_type']}); measure a verifier with MTP weights, or a draft of another kind"
+        )

@@ -1,29 +1,38 @@
-"""Measure a trained EAGLE-3 draft in vLLM: acceptance length and decode speed-up.
+"""Measure trained drafts in vLLM beside n-gram and plain decoding: acceptance length and decode speed-up.
 
-    python train/check_draft.py --verifier V --draft D --prompts prompts.jsonl [--num-spec 3]
+    python train/check_draft.py --verifier V --draft D [--draft D2 ...] --prompts prompts.jsonl [--num-spec 3]
         [--max-tokens 256] [--temperature 0] [--batch N] [--modes plain,eagle3,ngram] [--json OUT.json]
         [--engine-arg KEY=VALUE ...]
 
 Runs the same held-out prompts (JSONL rows with "turns" or "messages"; the first user turn is
-asked) through vLLM once per mode: `plain` (no speculation), `eagle3` (the draft) and `ngram`
-(prompt-lookup speculation over n-grams of --ngram-min to max(4, --ngram-min) tokens), each
-engine started with the same arguments; greedy unless --temperature is above 0 (then sampled,
-and texts are not compared).  Prints one table: output tokens/s, speed-up over plain, vLLM's
-mean acceptance length, tokens per verifier step, the acceptance rate at each draft position,
-and whether the text equals plain decoding's.
+asked) through vLLM once per mode: `plain` (no speculation), `ngram` (prompt-lookup speculation
+over n-grams of --ngram-min to max(4, --ngram-min) tokens), and a mode per draft kind: `eagle3`,
+`peagle`, `dflash`, `dflash2`, `dspark` and `xpress` measure the --draft whose config.json names
+that kind (speculators' `speculators_model_type`; a draft whose config names none, not saved by
+speculators, goes to every draft mode when it is the only --draft), served as vLLM serves the
+folder itself (its speculators reader gives the method and options: peagle is eagle3 with parallel
+drafting, dflash2 is dflash); `mtp` measures the verifier's own MTP layers and takes no --draft (a
+speculators mtp draft is served after `speculators stitch-mtp` puts it back into a verifier, passed
+as --verifier).  Every method proposes --num-spec tokens a step, each engine is started with the
+same arguments; greedy unless --temperature is above 0 (then sampled, and texts are not compared).
+Prints one table: output tokens/s, speed-up over plain, vLLM's mean acceptance length, tokens per
+verifier step, the acceptance rate at each draft position, and whether the text equals plain
+decoding's.
 
 The two lengths differ when a method does not propose at every step.  vLLM's mean acceptance
 length (1 + accepted draft tokens per step that had a draft) leaves out the steps without a
-proposal; n-gram proposes only where its n-gram occurred earlier in the text, an EAGLE-3 draft
-at every step.  Tokens per verifier step counts all steps: each step emits 1 + its accepted
-tokens, so output - accepted steps emitted the output, and tokens per step is
-output / (output - accepted): exact but for the accepted tokens vLLM counts past a request's
-end (at most --num-spec per request; about one per request, 1 %, in the H200 runs), so a slight
-overestimate.  It is the figure that sets the speed-up when a verifier step costs far more than
-proposing.
+proposal; n-gram proposes only where its n-gram occurred earlier in the text, a draft at every
+step.  Tokens per verifier step counts all steps: each step emits 1 + its accepted tokens, so
+output - accepted steps emitted the output, and tokens per step is output / (output - accepted):
+exact but for the accepted tokens vLLM counts past a request's end (at most --num-spec per
+request; about one per request, 1 %, in the H200 runs), so a slight overestimate.  It is the
+figure that sets the speed-up when a verifier step costs far more than proposing.
 
-A draft whose config this vLLM would not honour (a field such as `norm_output` that older
-releases drop) is refused before anything is measured.
+Refused in one line before any engine starts: a draft kind this vLLM does not serve (naming the
+release that first does), a draft mode without a --draft of its kind or with two, an mtp draft
+given as --draft, and `mtp` for a verifier in whose config vLLM finds no MTP layers.  A draft whose
+config this vLLM would not honour (a field such as `norm_output` that older releases drop) is
+refused before anything is measured with it.
 Engines are eager unless `--engine-arg enforce_eager=false` (CUDA graphs, on a GPU).
 """
 
@@ -32,13 +41,23 @@ from __future__ import annotations
 import gc
 import json
 import time
+import typing
 from pathlib import Path
 from types import SimpleNamespace
 
 import click
 
+from eagle_extract.config import DRAFT_KINDS
 from eagle_extract.faces.cli import engine_arg_option
 from eagle_extract.job.engine import prepare_environment
+
+# speculators 0.9 also trains xpress drafts, which vLLM 0.32 does not serve: asking for them gets the refusal below.
+DRAFT_MODES = (*DRAFT_KINDS, "xpress")
+MODES = ("plain", "ngram", *DRAFT_MODES)
+# The first release that serves each kind: the strings of SpeculativeMethod (vllm/config/speculative.py) and the
+# kinds vllm/transformers_utils/configs/speculators/algos.py reads, in the wheels of the releases either side of it
+# (0.19.1 and 0.20.0, 0.21.0 and 0.22.0, 0.24.0 and 0.25.0, 0.28.0 and 0.29.0); 0.18.0 serves eagle3 and mtp already.
+FIRST_SERVED = {"dflash": "0.20.0", "peagle": "0.22.0", "dspark": "0.25.0", "dflash2": "0.29.0"}
 
 
 def first_questions(path: Path, limit: int | None) -> list[list[dict]]:
@@ -55,11 +74,42 @@ def first_questions(path: Path, limit: int | None) -> list[list[dict]]:
     return chats[:limit]
 
 
+def literal_strings(kind) -> set[str]:
+    """The strings a typing.Literal admits, through the Literals and unions nested in it."""
+    strings = set()
+    for arg in typing.get_args(kind):
+        strings |= {arg} if isinstance(arg, str) else literal_strings(arg)
+    return strings
+
+
+def served_methods() -> set[str]:
+    from vllm.config.speculative import SpeculativeMethod
+
+    return literal_strings(SpeculativeMethod)
+
+
+def vllm_options(kind: str) -> dict | None:
+    """The speculative method and options this vLLM serves a draft of `kind` with (its own reading of a speculators
+    draft folder, as `vllm serve DRAFT` does), or None where it serves no such draft."""
+    if kind == "mtp":
+        options = {"method": "mtp"}
+    else:
+        from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES
+        from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+        if kind not in SUPPORTED_SPECULATORS_TYPES:
+            return None
+        proposal = {"proposal_methods": [{"speculative_tokens": 1}]}
+        options = SpeculatorsConfig.build_vllm_speculative_config(
+            {"speculators_model_type": kind, "speculators_config": proposal}
+        )
+        del options["num_speculative_tokens"]  # the draft's own; --num-spec sets it for every method
+    return options if options["method"] in served_methods() else None
+
+
 def speculative_config(mode: str, draft: str | None, num_spec: int, ngram_min: int = 4) -> dict | None:
     if mode == "plain":
         return None
-    if mode == "eagle3":
-        return {"method": "eagle3", "model": draft, "num_speculative_tokens": num_spec}
     if mode == "ngram":
         return {
             "method": "ngram",
@@ -67,7 +117,89 @@ def speculative_config(mode: str, draft: str | None, num_spec: int, ngram_min: i
             "prompt_lookup_min": ngram_min,
             "prompt_lookup_max": max(4, ngram_min),
         }
-    raise SystemExit(f"Error: unknown mode {mode}; use plain, eagle3 or ngram")
+    model = {} if mode == "mtp" else {"model": draft}  # mtp's layers are the verifier's own
+    return {**vllm_options(mode), **model, "num_speculative_tokens": num_spec}
+
+
+def refuse(line: str) -> typing.NoReturn:
+    raise SystemExit(f"Error: {line}")
+
+
+def refuse_unserved(mode: str) -> None:
+    import vllm
+
+    if vllm_options(mode) is None:
+        release = f"vLLM {FIRST_SERVED[mode]} and later do" if mode in FIRST_SERVED else (
+            "a vLLM whose SpeculativeMethod lists it does")  # fmt: skip
+        refuse(f"--modes {mode}: this vLLM ({vllm.__version__}) does not serve {mode} drafts; {release}")
+
+
+def draft_kinds(drafts: tuple[str, ...]) -> dict[str, str | None]:
+    """Each --draft's kind, as its config.json names it (None for a draft speculators did not save)."""
+    kinds = {}
+    for draft in drafts:
+        config = Path(draft) / "config.json"
+        if not config.is_file():
+            refuse(f"--draft {draft}: no config.json there; pass the draft folder train_draft.py prints")
+        kinds[draft] = json.loads(config.read_text()).get("speculators_model_type")
+        if kinds[draft] == "mtp":
+            refuse(f"--draft {draft} is an mtp draft, which vLLM serves inside its verifier: `speculators stitch-mtp "
+                   f"{draft} VERIFIER` writes VERIFIER-stitched; measure that as --verifier with --modes mtp and no "
+                   "--draft")  # fmt: skip
+    return kinds
+
+
+def draft_for(mode: str, kinds: dict[str, str | None]) -> str:
+    """The --draft a draft mode measures: the one of its kind, or the only --draft when its config names no kind."""
+    same = [draft for draft, kind in kinds.items() if kind == mode]
+    if len(same) > 1:
+        listed = ", ".join(same)
+        refuse(f"--modes {mode}: {len(same)} --draft folders are of kind {mode} ({listed}); measure one per run")
+    if same:
+        return same[0]
+    if len(kinds) == 1 and None in kinds.values():
+        return next(iter(kinds))
+    if not kinds:
+        refuse(f"--modes {mode} measures a draft: pass --draft, a draft folder of kind {mode}")
+    held = ", ".join(f"{draft}: {kind or 'none named'}" for draft, kind in kinds.items())
+    refuse(
+        f"--modes {mode} measures a draft of kind {mode}, and no --draft is one ({held}, by config.json's "
+        f"speculators_model_type); pass a draft folder of kind {mode}, or measure each draft with the mode of its kind"
+    )
+
+
+def mtp_layers(verifier: str, trust_remote_code: bool) -> tuple[str, int]:
+    """The verifier's model type and the MTP layers vLLM finds in its config: the config read as vLLM reads an
+    mtp draft's (hf_config_override), none when that is not one of its MTP model types."""
+    from vllm.config.speculative import MTPModelTypes, SpeculativeConfig
+    from vllm.transformers_utils.config import get_config
+
+    config = get_config(verifier, trust_remote_code)
+    model_type = config.model_type
+    draft = SpeculativeConfig.hf_config_override(config)
+    if draft.model_type not in literal_strings(MTPModelTypes):
+        return model_type, 0
+    return model_type, getattr(draft, "n_predict", None) or 0
+
+
+def plan(opts) -> list[tuple[str, str | None]]:
+    """Each mode with the --draft it measures, every refusal made before any engine starts."""
+    modes = opts.modes.split(",")
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown:
+        refuse(f"unknown mode {unknown[0]}; use {', '.join(MODES[:-1])} or {MODES[-1]}")
+    for mode in modes:
+        if mode in DRAFT_MODES:
+            refuse_unserved(mode)
+    kinds = draft_kinds(opts.draft)
+    if "mtp" in modes:
+        model_type, layers = mtp_layers(opts.verifier, bool(opts.engine_args.get("trust_remote_code")))
+        if not layers:
+            refuse(
+                f"--modes mtp measures the verifier's own MTP layers, and vLLM finds none in {opts.verifier} "
+                f"(model_type {model_type}); measure a verifier with MTP weights, or a draft of another kind"
+            )
+    return [(mode, draft_for(mode, kinds) if mode in DRAFT_MODES and mode != "mtp" else None) for mode in modes]
 
 
 # Draft config fields that change the draft's computation; vLLM reads each as False when absent.
@@ -105,18 +237,18 @@ def _spec_counts(metrics) -> tuple[float, float, list[int]]:
     return total("vllm:spec_decode_num_drafts"), total("vllm:spec_decode_num_accepted_tokens"), per_position
 
 
-def run_mode(mode: str, opts, chats) -> dict:
+def run_mode(mode: str, draft: str | None, opts, chats) -> dict:
     from vllm import LLM, SamplingParams
 
     settings = {"enforce_eager": True, "max_model_len": opts.max_model_len, **opts.engine_args}
     llm = LLM(
         model=opts.verifier,
         disable_log_stats=False,
-        speculative_config=speculative_config(mode, opts.draft, opts.num_spec, opts.ngram_min),
+        speculative_config=speculative_config(mode, draft, opts.num_spec, opts.ngram_min),
         **settings,
     )
-    if mode == "eagle3":
-        check_served_draft(llm, opts.draft)
+    if draft:
+        check_served_draft(llm, draft)
     params = SamplingParams(temperature=opts.temperature, max_tokens=opts.max_tokens)
     llm.chat(chats[:2], params, use_tqdm=False)  # warm-up
     before = llm.get_metrics()
@@ -135,6 +267,7 @@ def run_mode(mode: str, opts, chats) -> dict:
     gc.collect()
     return {
         "mode": mode,
+        "draft": draft,
         "output_tokens": tokens,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1),
@@ -149,7 +282,7 @@ def run_mode(mode: str, opts, chats) -> dict:
 
 @click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--verifier", required=True)
-@click.option("--draft", default=None)
+@click.option("--draft", multiple=True, help="a draft folder; repeatable, one per draft mode (the mode of its kind)")
 @click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True)
 @click.option("--limit", type=int, default=None, help="use the first N prompts")
 @click.option("--batch", type=int, default=None, help="prompts decoded together [default: all]")
@@ -159,7 +292,8 @@ def run_mode(mode: str, opts, chats) -> dict:
 @click.option("--ngram-min", type=int, default=4, show_default=True,
               help="shortest n-gram the ngram mode matches (longest: max(4, this))")  # fmt: skip
 @click.option("--max-model-len", type=int, default=4096, show_default=True)
-@click.option("--modes", default="plain,eagle3,ngram", show_default=True)
+@click.option("--modes", default="plain,eagle3,ngram", show_default=True,
+              help=f"comma-separated, from {', '.join(MODES)}")  # fmt: skip
 @engine_arg_option("further vllm.LLM keyword argument; repeatable")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(**kw) -> None:
@@ -170,7 +304,7 @@ def main(**kw) -> None:
     engine = opts.engine_args
     prepare_environment(engine.get("tensor_parallel_size", 1), engine.get("pipeline_parallel_size", 1),
                         engine.get("dtype", "auto"))  # fmt: skip
-    results = [run_mode(mode, opts, chats) for mode in opts.modes.split(",")]
+    results = [run_mode(mode, draft, opts, chats) for mode, draft in plan(opts)]
     plain = next((r for r in results if r["mode"] == "plain"), None)
     click.echo(
         "| mode | output tok/s | speed-up | mean acceptance length (steps with a draft) | tokens per verifier step "

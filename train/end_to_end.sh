@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# The whole pipeline on one GPU with the bundled SmolLM2: regenerate answers, extract, train an
-# EAGLE-3 draft with speculators, then measure it in vLLM on held-out prompts.
+# The whole pipeline on one GPU with the bundled SmolLM2: regenerate answers, extract, train drafts with
+# speculators (EAGLE-3 unless KINDS says more), then measure them in vLLM on held-out prompts.
 #   bash train/end_to_end.sh DATA_DIR WORK [COPIES] [EPOCHS]
 # DATA_DIR holds alpaca_seed_tasks.jsonl, sharegpt_dummy_conversations.json (training prompts)
 # and vicuna_bench_questions.jsonl (held out: never regenerated, extracted or trained on).
-# STAGES (default extract,train,measure) runs some of them, e.g. one per call on a lent GPU; `online` trains a
-# second draft on the same rows and epochs with every row's states pulled from `eagle-extract serve` (speculators'
-# online mode; the spool on SPOOL, default /dev/shm), and `measure` then measures both; speculators
-# checkpoints every quarter epoch and by default resumes from its latest one, so rerunning a cut stage goes on.
+# KINDS (default eagle3) lists the draft kinds to train and measure, e.g. KINDS=eagle3,dflash,dspark: each kind is
+# trained on the same rows with the same epochs and flags into WORK/draft (eagle3) or WORK/draft-KIND, and measured
+# with its own check_draft.py mode beside plain and n-gram decoding in one table (WORK/check_draft.json).
+# STAGES (default extract,train,measure) runs some of them, e.g. one per call on a lent GPU; `online` trains each
+# kind again on the same rows and epochs with every row's states pulled from `eagle-extract serve` (speculators'
+# online mode; the spool on SPOOL, default /dev/shm) into WORK/draft-online[-KIND], and `measure` then measures those
+# too (WORK/check_draft_online.json); speculators checkpoints every quarter epoch and by default resumes from its
+# latest one, so rerunning a cut stage goes on.
 # Smaller trial runs: MAX_NEW_TOKENS (answers), MAX_TOKENS (measured decoding), TRAIN_ARGS (e.g. --dry-run).
-# MEASURE_ARGS adds check_draft.py options (e.g. "--temperature 0.7" for sampled decoding); MODES its modes for the
-# first draft measured (default plain,eagle3,ngram; later drafts: eagle3).
+# MEASURE_ARGS adds check_draft.py options (e.g. "--temperature 0.7" for sampled decoding, "--num-spec 7": every
+# method proposes that many tokens a step, 3 by default); MODES its modes for the offline drafts (default
+# plain,KINDS,ngram; the online drafts: their kinds alone).
 # EXTRACT_ARGS adds eagle-extract options (e.g. "--engine-arg gpu_memory_utilization=0.5" to share the GPU).
 # TEMPERATURE (default 0.7) samples the answers; lower is closer to the greedy decoding measured at the end
 # (0: greedy, then COPIES=1). SYNTH=N adds N distinct prompts the model writes itself (synthesize_prompts.py).
@@ -21,7 +26,9 @@ copies=${3:-4}
 epochs=${4:-10}
 mkdir -p "$work"
 stages=${STAGES:-extract,train,measure}
+IFS=, read -r -a kinds <<< "${KINDS:-eagle3}"
 step() { printf '\n== %s  (%s)\n' "$1" "$(date +%T)"; }
+folder() { [[ $1 == eagle3 ]] && echo "$work/$2" || echo "$work/$2-$1"; }  # folder KIND draft|draft-online
 model=$(python3 -c 'from eagle_extract.smollm2 import ensure_smollm2; print(ensure_smollm2())')
 
 if [[ $stages == *extract* ]]; then
@@ -42,11 +49,14 @@ python3 -m eagle_extract verify "$work/out"
 fi
 
 if [[ $stages == *train* ]]; then
-step "train"
 # eager loss: speculators 0.9's fused Triton loss fails under torch 2.11's dynamo on the H200 image
 # ("ListVariable ... is already tracked for mutation" in fused_kl_div_loss's backward).
-python3 train/train_draft.py "$work/out" --save-path "$work/draft" --draft-vocab-size 8192 \
-  --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers 4 --loss-implementation eager --checkpoint-freq 0.25
+for kind in "${kinds[@]}"; do
+  step "train $kind"
+  python3 train/train_draft.py "$work/out" --save-path "$(folder "$kind" draft)" --speculator-type "$kind" \
+    --draft-vocab-size 8192 --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers 4 \
+    --loss-implementation eager --checkpoint-freq 0.25
+done
 fi
 
 if [[ $stages == *online* ]]; then
@@ -71,11 +81,14 @@ for (( waited = 0; ; waited += 2 )); do
   sleep 2
 done
 grep '^serving http' "$work/serve.log"
-start=$(date +%s)
-python3 train/train_draft.py "$work/out-online" --save-path "$work/draft-online" --draft-vocab-size 8192 \
-  --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers 4 --loss-implementation eager --checkpoint-freq 0.25 \
-  --vllm-endpoint "http://127.0.0.1:$port/v1" --hidden-states-backend file
-echo "online training: $(( $(date +%s) - start )) s"
+for kind in "${kinds[@]}"; do
+  start=$(date +%s)
+  python3 train/train_draft.py "$work/out-online" --save-path "$(folder "$kind" draft-online)" \
+    --speculator-type "$kind" --draft-vocab-size 8192 --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers 4 \
+    --loss-implementation eager --checkpoint-freq 0.25 --vllm-endpoint "http://127.0.0.1:$port/v1" \
+    --hidden-states-backend file
+  echo "online training, $kind: $(( $(date +%s) - start )) s"
+done
 trap - EXIT
 kill -TERM $server 2>/dev/null || true
 wait $server || { tail -5 "$work/serve.log"; echo "end_to_end.sh: the server ended with an error" >&2; exit 1; }
@@ -84,13 +97,24 @@ fi
 
 if [[ $stages == *measure* ]]; then
 step "measure on held-out prompts"
-modes=${MODES:-plain,eagle3,ngram}
-for draft_dir in draft draft-online; do  # the offline draft, and the online one where that stage ran
-  [ -d "$work/$draft_dir" ] || continue
-  draft=$(python3 -c "import sys; sys.path.insert(0, 'train'); from train_draft import servable_draft; print(servable_draft('$work/$draft_dir'))")
-  python3 train/check_draft.py --verifier "$model" --draft "$draft" \
+for trained in draft draft-online; do  # the offline drafts, and the online ones where that stage ran
+  drafts=() present=()
+  for kind in "${kinds[@]}"; do
+    dir=$(folder "$kind" $trained)
+    [ -d "$dir" ] || continue
+    drafts+=(--draft "$(python3 -c "import sys; sys.path.insert(0, 'train'); from train_draft import servable_draft
+print(servable_draft(sys.argv[1]))" "$dir")")
+    present+=("$kind")
+  done
+  (( ${#present[@]} )) || continue
+  measured=$(IFS=,; echo "${present[*]}")
+  if [[ $trained == draft ]]; then
+    modes=${MODES:-plain,$measured,ngram}
+  else
+    modes=$measured  # plain and n-gram decoding do not depend on the draft: measured with the offline drafts
+  fi
+  python3 train/check_draft.py --verifier "$model" "${drafts[@]}" \
     --prompts "$data/vicuna_bench_questions.jsonl" --max-tokens "${MAX_TOKENS:-256}" --batch 8 \
-    --engine-arg gpu_memory_utilization=0.25 --modes "$modes" --json "$work/check_${draft_dir/-/_}.json" ${MEASURE_ARGS:-}
-  modes=eagle3  # plain and n-gram decoding do not depend on the draft
+    --engine-arg gpu_memory_utilization=0.25 --modes "$modes" --json "$work/check_${trained/-/_}.json" ${MEASURE_ARGS:-}
 done
 fi

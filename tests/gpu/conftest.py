@@ -34,6 +34,8 @@ def pytest_addoption(parser):
     group.addoption("--kimi-layers", type=int, default=12,
                     help="decoder layers of Kimi-K2.5 as released (at least 7: its aux layers are 2, N/2, N-3); "
                     "vLLM 0.34 ran out of memory at 12 on one H200, 8 fits")  # fmt: skip
+    group.addoption("--kimi-engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="a further --engine-arg for Kimi-K2.5 as released; repeatable")  # fmt: skip
 
 
 def pytest_configure(config):
@@ -121,6 +123,11 @@ def work(request) -> Path:
 @pytest.fixture(scope="session")
 def kimi_layers(request) -> int:
     return request.config.getoption("kimi_layers")
+
+
+@pytest.fixture(scope="session")
+def kimi_engine_args(request) -> tuple[str, ...]:
+    return tuple(x for arg in request.config.getoption("kimi_engine_arg") for x in ("--engine-arg", arg))
 
 
 @pytest.fixture

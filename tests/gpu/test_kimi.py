@@ -82,7 +82,7 @@ def int4_aux(layers: int) -> str:
     return f"2,{layers // 2},{layers - 3}"
 
 
-def test_int4_release_cli(int4_model, kimi_layers, mixed_conversations, work, record):
+def test_int4_release_cli(int4_model, kimi_layers, kimi_engine_args, mixed_conversations, work, record):
     """Kimi-K2.5 as released runs through the CLI on one GPU: the wrapper's language model is found, its
     INT4 experts load, and the rows have the layout `verify` and a draft expect (layout, not values: the
     weights are dummy), finite and non-zero in every slot."""
@@ -90,7 +90,7 @@ def test_int4_release_cli(int4_model, kimi_layers, mixed_conversations, work, re
     t0 = time.perf_counter()
     info = {"VLLM_LOGGING_LEVEL": "INFO"}  # the run's log then names the MoE kernel and the KV cache
     out = extracted(int4_model, mixed_conversations, work / "kimi-int4", "--layers", int4_aux(layers),
-                    "--dtype", "bfloat16", *KIMI_ENGINE, env=info)  # fmt: skip
+                    "--dtype", "bfloat16", *KIMI_ENGINE, *kimi_engine_args, env=info)  # fmt: skip
     record("seconds_end_to_end", round(time.perf_counter() - t0))
     written = manifest(out)
     capture = written["capture"]
