@@ -8,6 +8,7 @@ Greedy speculative decoding must give the text plain decoding gives.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -192,15 +193,15 @@ def test_the_layer_ids_a_training_command_asks_for_are_read_up_to_the_next_flag(
             refuse_unheld_layers("dflash", held, asked)
 
 
-def speculators_draft(folder: Path, kind: str) -> str:
-    """A draft folder holding the config.json speculators saves for a draft of `kind` (no weights: nothing here
-    loads them)."""
+def speculators_draft(folder: Path, kind: str, tokens: int = 3) -> str:
+    """A draft folder holding the config.json speculators saves for a draft of `kind` proposing `tokens` a step (no
+    weights: nothing here loads them)."""
     from speculators import SpeculatorModelConfig, SpeculatorsConfig, VerifierConfig
     from speculators.proposals import GreedyTokenProposalConfig
 
     proposal = SpeculatorsConfig(
         algorithm=kind,
-        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=tokens)],
         default_proposal_method="greedy",
         verifier=VerifierConfig(name_or_path="verifier", architectures=["LlamaForCausalLM"]),
     )
@@ -219,50 +220,55 @@ LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_s
 DEEPSEEK_V3 = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_nextn_predict_layers": 1}
 
 
-def check_plan(modes: str, drafts=(), verifier: str = "unread") -> list:
+def check_plan(modes: str, drafts=(), verifier: str = "unread", num_spec: int | None = None) -> list:
     sys.path.insert(0, str(TRAIN))
     from check_draft import plan
 
-    return plan(SimpleNamespace(modes=modes, draft=tuple(drafts), verifier=verifier, engine_args={}))
+    return plan(SimpleNamespace(modes=modes, draft=tuple(drafts), verifier=verifier, engine_args={}, num_spec=num_spec))
 
 
-def refusal(modes: str, drafts=(), verifier: str = "unread") -> str:
+def refusal(modes: str, drafts=(), verifier: str = "unread", num_spec: int | None = None) -> str:
     with pytest.raises(SystemExit) as refused:
-        check_plan(modes, drafts, verifier)
+        check_plan(modes, drafts, verifier, num_spec)
     return str(refused.value.code)
 
 
 def test_each_draft_kind_is_measured_with_a_speculative_config_the_installed_vllm_accepts(tmp_path):
     """Each kind's mode takes the --draft of its kind, and every key and value of the config the engine gets is
     one vLLM's own SpeculativeConfig field type accepts (its `method` Literal among them)."""
-    import vllm
-    from packaging.version import Version
     from pydantic import TypeAdapter
     from vllm.config.speculative import SpeculativeConfig
 
     sys.path.insert(0, str(TRAIN))
-    from check_draft import FIRST_SERVED, served_methods, speculative_config
+    from check_draft import served_methods, speculative_config
+
+    from eagle_extract.drafts import speculative_config as printed_config
 
     kinds = ["eagle3", "peagle", "dflash", "dflash2", "dspark"]
-    drafts = {kind: speculators_draft(tmp_path / kind, kind) for kind in kinds}
+    drafts = {kind: speculators_draft(tmp_path / kind, kind, tokens=3 + i) for i, kind in enumerate(kinds)}
     verifier = model_config(tmp_path / "deepseek-v3", **DEEPSEEK_V3)  # one MTP layer, for the mtp mode
     planned = check_plan(f"plain,{','.join(reversed(kinds))},mtp,ngram", drafts.values(), verifier)
     assert planned == [("plain", None), *((kind, drafts[kind]) for kind in reversed(kinds)), ("mtp", None),
                        ("ngram", None)]  # fmt: skip
     field = {name: TypeAdapter(f.type) for name, f in SpeculativeConfig.__dataclass_fields__.items()}
     served_as = {"peagle": "eagle3", "dflash2": "dflash"}  # vLLM's speculators reader (README's table)
-    for kind in [*kinds, "mtp"]:
-        config = speculative_config(kind, drafts.get(kind), 3)
+    for i, kind in enumerate([*kinds, "mtp"]):
+        config = speculative_config(kind, drafts.get(kind), 2)
         for key, value in config.items():
             field[key].validate_python(value)
-        assert config["method"] == served_as.get(kind, kind)
+        assert config["method"] == served_as.get(kind, kind) and config["num_speculative_tokens"] == 2
         assert config.get("model") == drafts.get(kind)  # mtp's layers are the verifier's own
         assert config.get("parallel_drafting", False) == (kind == "peagle")  # as `vllm serve DRAFT` sets it
+        if kind != "mtp":  # without --num-spec, each draft proposes what its own config says (3 + i here) ...
+            assert speculative_config(kind, drafts[kind], None)["num_speculative_tokens"] == 3 + i
+            # ... and train_draft.py prints the same config for serving it
+            printed = printed_config(kind, drafts[kind], json.loads((Path(drafts[kind]) / "config.json").read_text()))
+            assert printed == {**config, "num_speculative_tokens": 3 + i}
+    assert "num_speculative_tokens" not in speculative_config("mtp", None, None)  # vLLM then takes the MTP layers
     for name in served_as:  # the speculators names themselves are no vLLM method
         with pytest.raises(ValueError):
             field["method"].validate_python(name)
     assert {"eagle3", "dflash", "dspark", "mtp", "deepseek_mtp"} <= served_methods()  # MTP names are a nested Literal
-    assert all(Version(vllm.__version__) >= Version(release) for release in FIRST_SERVED.values())
 
 
 def test_a_draft_mode_without_a_draft_of_its_kind_is_refused_in_one_line_before_any_engine(tmp_path):
@@ -288,8 +294,8 @@ def test_draft_kinds_and_verifiers_a_mode_cannot_measure_are_refused_in_one_line
     dspark = speculators_draft(tmp_path / "dspark", "dspark")
     mtp = speculators_draft(tmp_path / "mtp", "mtp")
     assert refusal("plain,xpress") == (  # speculators 0.9 trains xpress drafts; no vLLM here serves them
-        f"Error: --modes xpress: this vLLM ({vllm.__version__}) does not serve xpress drafts; a vLLM whose "
-        "SpeculativeMethod lists it does"
+        f"Error: --modes xpress: this vLLM ({vllm.__version__}) does not serve xpress drafts; no release to 0.34.0 "
+        "does; measure a draft of another kind"
     )
     assert refusal("plain,dflash", [dflash, dflash_too]) == (
         f"Error: --modes dflash: 2 --draft folders are of kind dflash ({dflash}, {dflash_too}); measure one per run"
@@ -315,6 +321,27 @@ def test_draft_kinds_and_verifiers_a_mode_cannot_measure_are_refused_in_one_line
     # A draft whose config names no kind (not saved by speculators) is the only --draft: vLLM reads it as asked.
     foreign = model_config(tmp_path / "foreign", **LLAMA)
     assert check_plan("plain,eagle3", [foreign]) == [("plain", None), ("eagle3", foreign)]
+    assert refusal("eagle3,dflash", [foreign]) == (  # but not for two kinds at once
+        f"Error: --draft {foreign}: its config.json names no kind (speculators_model_type), so it is measured with "
+        "one draft mode, and --modes asks for 2 (eagle3, dflash)"
+    )
+    assert refusal("plain,mtp", verifier=str(tmp_path / "absent")).startswith(
+        f"Error: --modes mtp: vLLM cannot read the config of --verifier {tmp_path / 'absent'} ("
+    )
+
+
+@pytest.mark.parametrize("kind, releases", [("dspark", "vLLM 0.25.0 and later do"),
+                                            ("peagle", "vLLM 0.22.0 to 0.33.0 do")])  # fmt: skip
+def test_a_kind_an_older_or_newer_release_serves_is_refused_naming_the_releases_that_do(monkeypatch, kind, releases):
+    """The release the kind's reader is missing from (dspark before 0.25) or refuses it in (P-EAGLE on 0.34),
+    made here by taking the kind out of the installed reader's table."""
+    import vllm
+    from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES
+
+    monkeypatch.delitem(SUPPORTED_SPECULATORS_TYPES, kind)
+    assert refusal(f"plain,{kind}") == (
+        f"Error: --modes {kind}: this vLLM ({vllm.__version__}) does not serve {kind} drafts; {releases}"
+    )
 
 
 @pytest.mark.parametrize("name, config, layers", [
@@ -326,8 +353,28 @@ def test_mtp_is_refused_for_a_verifier_in_whose_config_vllm_finds_no_mtp_layers(
     verifier = model_config(tmp_path / name, **config)
     if layers:
         assert check_plan("plain,mtp", verifier=verifier) == [("plain", None), ("mtp", None)]
+        two = model_config(tmp_path / "two", **{**config, "num_nextn_predict_layers": 2})
+        assert check_plan("mtp", verifier=two, num_spec=4) == [("mtp", None)]  # two steps of the two layers
+        assert refusal("mtp", verifier=two, num_spec=3) == (  # vLLM refuses it only once the engine starts
+            "Error: --num-spec 3: the verifier's 2 MTP layers propose a multiple of 2 tokens a step (or fewer); pass "
+            "such a --num-spec, or none for their own"
+        )
     else:
         assert refusal("plain,mtp", verifier=verifier) == (
             f"Error: --modes mtp measures the verifier's own MTP layers, and vLLM finds none in {verifier} "
             f"(model_type {config['model_type']}); measure a verifier with MTP weights, or a draft of another kind"
         )
+
+
+@pytest.mark.parametrize("kinds, said", [
+    ("eagle3,dlfash", "unknown kind 'dlfash'; use eagle3, peagle, dflash, dflash2 or dspark"),
+    ("eagle3,,dspark", "unknown kind ''; use eagle3, peagle, dflash, dflash2 or dspark"),
+    ("eagle3, mtp", "mtp trains only for a verifier with MTP weights, which SmolLM2 has not"),
+])  # fmt: skip
+def test_end_to_end_refuses_a_kind_it_cannot_train_before_any_stage(tmp_path, kinds, said):
+    """Checked before the extraction, which a misspelt kind would otherwise fail only after."""
+    work = tmp_path / "work"
+    proc = subprocess.run(["bash", str(TRAIN / "end_to_end.sh"), str(tmp_path), str(work)], capture_output=True,
+                          text=True, env={**os.environ, "KINDS": kinds})  # fmt: skip
+    assert proc.returncode == 1 and proc.stderr.strip() == f"end_to_end.sh: KINDS={kinds}: {said}", proc.stderr
+    assert proc.stdout == "" and not work.exists()

@@ -1,6 +1,6 @@
 """Measure trained drafts in vLLM beside n-gram and plain decoding: acceptance length and decode speed-up.
 
-    python train/check_draft.py --verifier V --draft D [--draft D2 ...] --prompts prompts.jsonl [--num-spec 3]
+    python train/check_draft.py --verifier V --draft D [--draft D2 ...] --prompts prompts.jsonl [--num-spec N]
         [--max-tokens 256] [--temperature 0] [--batch N] [--modes plain,eagle3,ngram] [--json OUT.json]
         [--engine-arg KEY=VALUE ...]
 
@@ -9,15 +9,17 @@ asked) through vLLM once per mode: `plain` (no speculation), `ngram` (prompt-loo
 over n-grams of --ngram-min to max(4, --ngram-min) tokens), and a mode per draft kind: `eagle3`,
 `peagle`, `dflash`, `dflash2`, `dspark` and `xpress` measure the --draft whose config.json names
 that kind (speculators' `speculators_model_type`; a draft whose config names none, not saved by
-speculators, goes to every draft mode when it is the only --draft), served as vLLM serves the
-folder itself (its speculators reader gives the method and options: peagle is eagle3 with parallel
-drafting, dflash2 is dflash); `mtp` measures the verifier's own MTP layers and takes no --draft (a
-speculators mtp draft is served after `speculators stitch-mtp` puts it back into a verifier, passed
-as --verifier).  Every method proposes --num-spec tokens a step, each engine is started with the
-same arguments; greedy unless --temperature is above 0 (then sampled, and texts are not compared).
-Prints one table: output tokens/s, speed-up over plain, vLLM's mean acceptance length, tokens per
-verifier step, the acceptance rate at each draft position, and whether the text equals plain
-decoding's.
+speculators, is measured when it is the only --draft and there is one draft mode), served as vLLM
+serves the folder itself (its speculators reader gives the method, the options and the tokens a
+step: peagle is eagle3 with parallel drafting on 0.22-0.33, dflash2 is dflash); `mtp` measures the
+verifier's own MTP layers and takes no --draft (a speculators mtp draft is served after `speculators
+stitch-mtp` puts it back into a verifier, passed as --verifier).  Each method proposes --num-spec
+tokens a step when it is given, else its own count: a draft's from its config (EAGLE-3 3, DFlash and
+DSpark their block size - 1, P-EAGLE 8), n-gram 3, mtp the verifier's MTP layers.  Each engine is
+started with the same arguments; greedy unless --temperature is above 0 (then sampled, and texts are
+not compared).  Prints one table: the tokens proposed a step, output tokens/s, speed-up over plain,
+vLLM's mean acceptance length, tokens per verifier step, the acceptance rate at each draft
+position, and whether the text equals plain decoding's.
 
 The two lengths differ when a method does not propose at every step.  vLLM's mean acceptance
 length (1 + accepted draft tokens per step that had a draft) leaves out the steps without a
@@ -29,10 +31,11 @@ request; about one per request, 1 %, in the H200 runs), so a slight overestimate
 figure that sets the speed-up when a verifier step costs far more than proposing.
 
 Refused in one line before any engine starts: a draft kind this vLLM does not serve (naming the
-release that first does), a draft mode without a --draft of its kind or with two, an mtp draft
-given as --draft, and `mtp` for a verifier in whose config vLLM finds no MTP layers.  A draft whose
-config this vLLM would not honour (a field such as `norm_output` that older releases drop) is
-refused before anything is measured with it.
+releases that do), a draft mode without a --draft of its kind or with two, an mtp draft given as
+--draft, `mtp` for a verifier in whose config vLLM finds no MTP layers, and a --num-spec its MTP
+layers cannot propose.  An EAGLE-3 or P-EAGLE draft whose layout fields this vLLM would not honour
+(such as `norm_output`, which older releases drop) is refused before anything is measured with it;
+DFlash and DSpark drafts' attention layout is not checked against what vLLM builds.
 Engines are eager unless `--engine-arg enforce_eager=false` (CUDA graphs, on a GPU).
 """
 
@@ -51,13 +54,16 @@ from eagle_extract.config import DRAFT_KINDS
 from eagle_extract.faces.cli import engine_arg_option
 from eagle_extract.job.engine import prepare_environment
 
-# speculators 0.9 also trains xpress drafts, which vLLM 0.32 does not serve: asking for them gets the refusal below.
+# speculators 0.9 also trains xpress drafts, which no vLLM release to 0.34 serves: asking gets the refusal below.
 DRAFT_MODES = (*DRAFT_KINDS, "xpress")
 MODES = ("plain", "ngram", *DRAFT_MODES)
 # The first release that serves each kind: the strings of SpeculativeMethod (vllm/config/speculative.py) and the
 # kinds vllm/transformers_utils/configs/speculators/algos.py reads, in the wheels of the releases either side of it
 # (0.19.1 and 0.20.0, 0.21.0 and 0.22.0, 0.24.0 and 0.25.0, 0.28.0 and 0.29.0); 0.18.0 serves eagle3 and mtp already.
 FIRST_SERVED = {"dflash": "0.20.0", "peagle": "0.22.0", "dspark": "0.25.0", "dflash2": "0.29.0"}
+# The last release that serves a kind it then dropped: 0.34.0's speculators reader refuses P-EAGLE drafts.
+LAST_SERVED = {"peagle": "0.33.0"}
+NEWEST_READ = "0.34.0"  # the newest release whose wheel the two tables were read from
 
 
 def first_questions(path: Path, limit: int | None) -> list[list[dict]]:
@@ -88,50 +94,68 @@ def served_methods() -> set[str]:
     return literal_strings(SpeculativeMethod)
 
 
-def vllm_options(kind: str) -> dict | None:
+def vllm_options(kind: str, draft_config: dict | None = None) -> dict | None:
     """The speculative method and options this vLLM serves a draft of `kind` with (its own reading of a speculators
-    draft folder, as `vllm serve DRAFT` does), or None where it serves no such draft."""
+    draft folder, as `vllm serve DRAFT` does: with the draft's own count of tokens a step when its config is given),
+    or None where it serves no such draft."""
     if kind == "mtp":
-        options = {"method": "mtp"}
+        options = {"method": "mtp"}  # the count: the verifier's MTP layers, as vLLM sets it
     else:
         from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES
         from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
         if kind not in SUPPORTED_SPECULATORS_TYPES:
             return None
-        proposal = {"proposal_methods": [{"speculative_tokens": 1}]}
-        options = SpeculatorsConfig.build_vllm_speculative_config(
-            {"speculators_model_type": kind, "speculators_config": proposal}
-        )
-        del options["num_speculative_tokens"]  # the draft's own; --num-spec sets it for every method
+        own = (draft_config or {}).get("speculators_model_type") == kind  # else no speculators folder of this kind
+        if not own:
+            proposal = {"proposal_methods": [{"speculative_tokens": 1}]}
+            draft_config = {"speculators_model_type": kind, "speculators_config": proposal}
+        try:
+            options = SpeculatorsConfig.build_vllm_speculative_config(draft_config)
+        except ValueError:  # a reader that refuses the kind (0.34 and P-EAGLE)
+            return None
+        if not own:
+            del options["num_speculative_tokens"]
     return options if options["method"] in served_methods() else None
 
 
-def speculative_config(mode: str, draft: str | None, num_spec: int, ngram_min: int = 4) -> dict | None:
+def speculative_config(mode: str, draft: str | None, num_spec: int | None, ngram_min: int = 4) -> dict | None:
+    """vLLM's speculative_config for a mode: `num_spec` tokens a step, else the draft's own (3 for n-gram and for a
+    draft whose config gives none)."""
     if mode == "plain":
         return None
     if mode == "ngram":
         return {
             "method": "ngram",
-            "num_speculative_tokens": num_spec,
+            "num_speculative_tokens": num_spec or 3,
             "prompt_lookup_min": ngram_min,
             "prompt_lookup_max": max(4, ngram_min),
         }
-    model = {} if mode == "mtp" else {"model": draft}  # mtp's layers are the verifier's own
-    return {**vllm_options(mode), **model, "num_speculative_tokens": num_spec}
+    if mode == "mtp":  # its layers are the verifier's own
+        return {"method": "mtp", **({"num_speculative_tokens": num_spec} if num_spec else {})}
+    options = vllm_options(mode, json.loads((Path(draft) / "config.json").read_text()))
+    own = options.pop("num_speculative_tokens", None)
+    return {**options, "model": draft, "num_speculative_tokens": num_spec or own or 3}
 
 
 def refuse(line: str) -> typing.NoReturn:
     raise SystemExit(f"Error: {line}")
 
 
+def serving_releases(kind: str) -> str:
+    first, last = FIRST_SERVED.get(kind), LAST_SERVED.get(kind)
+    if first and last:
+        return f"vLLM {first} to {last} do"
+    if first:
+        return f"vLLM {first} and later do"
+    return f"no release to {NEWEST_READ} does; measure a draft of another kind"
+
+
 def refuse_unserved(mode: str) -> None:
     import vllm
 
     if vllm_options(mode) is None:
-        release = f"vLLM {FIRST_SERVED[mode]} and later do" if mode in FIRST_SERVED else (
-            "a vLLM whose SpeculativeMethod lists it does")  # fmt: skip
-        refuse(f"--modes {mode}: this vLLM ({vllm.__version__}) does not serve {mode} drafts; {release}")
+        refuse(f"--modes {mode}: this vLLM ({vllm.__version__}) does not serve {mode} drafts; {serving_releases(mode)}")
 
 
 def draft_kinds(drafts: tuple[str, ...]) -> dict[str, str | None]:
@@ -149,8 +173,9 @@ def draft_kinds(drafts: tuple[str, ...]) -> dict[str, str | None]:
     return kinds
 
 
-def draft_for(mode: str, kinds: dict[str, str | None]) -> str:
-    """The --draft a draft mode measures: the one of its kind, or the only --draft when its config names no kind."""
+def draft_for(mode: str, kinds: dict[str, str | None], draft_modes: list[str]) -> str:
+    """The --draft a draft mode measures: the one of its kind, or the only --draft when its config names no kind
+    and this is the only draft mode."""
     same = [draft for draft, kind in kinds.items() if kind == mode]
     if len(same) > 1:
         listed = ", ".join(same)
@@ -158,7 +183,11 @@ def draft_for(mode: str, kinds: dict[str, str | None]) -> str:
     if same:
         return same[0]
     if len(kinds) == 1 and None in kinds.values():
-        return next(iter(kinds))
+        draft = next(iter(kinds))
+        if len(draft_modes) > 1:
+            refuse(f"--draft {draft}: its config.json names no kind (speculators_model_type), so it is measured with "
+                   f"one draft mode, and --modes asks for {len(draft_modes)} ({', '.join(draft_modes)})")  # fmt: skip
+        return draft
     if not kinds:
         refuse(f"--modes {mode} measures a draft: pass --draft, a draft folder of kind {mode}")
     held = ", ".join(f"{draft}: {kind or 'none named'}" for draft, kind in kinds.items())
@@ -174,7 +203,11 @@ def mtp_layers(verifier: str, trust_remote_code: bool) -> tuple[str, int]:
     from vllm.config.speculative import MTPModelTypes, SpeculativeConfig
     from vllm.transformers_utils.config import get_config
 
-    config = get_config(verifier, trust_remote_code)
+    try:
+        config = get_config(verifier, trust_remote_code)
+    except Exception as exc:  # a missing folder, an unreadable config: whatever vLLM's reader raises
+        said = (str(exc).strip().splitlines() or [""])[0][:300]
+        refuse(f"--modes mtp: vLLM cannot read the config of --verifier {verifier} ({type(exc).__name__}: {said})")
     model_type = config.model_type
     draft = SpeculativeConfig.hf_config_override(config)
     if draft.model_type not in literal_strings(MTPModelTypes):
@@ -199,7 +232,11 @@ def plan(opts) -> list[tuple[str, str | None]]:
                 f"--modes mtp measures the verifier's own MTP layers, and vLLM finds none in {opts.verifier} "
                 f"(model_type {model_type}); measure a verifier with MTP weights, or a draft of another kind"
             )
-    return [(mode, draft_for(mode, kinds) if mode in DRAFT_MODES and mode != "mtp" else None) for mode in modes]
+        if opts.num_spec and opts.num_spec > layers and opts.num_spec % layers:  # vLLM refuses it at the start
+            refuse(f"--num-spec {opts.num_spec}: the verifier's {layers} MTP layers propose a multiple of "
+                   f"{layers} tokens a step (or fewer); pass such a --num-spec, or none for their own")  # fmt: skip
+    draft_modes = [mode for mode in modes if mode in DRAFT_MODES and mode != "mtp"]
+    return [(mode, draft_for(mode, kinds, draft_modes) if mode in draft_modes else None) for mode in modes]
 
 
 # Draft config fields that change the draft's computation; vLLM reads each as False when absent.
@@ -249,6 +286,8 @@ def run_mode(mode: str, draft: str | None, opts, chats) -> dict:
     )
     if draft:
         check_served_draft(llm, draft)
+    served = llm.llm_engine.vllm_config.speculative_config
+    proposed = served.num_speculative_tokens if served else 0
     params = SamplingParams(temperature=opts.temperature, max_tokens=opts.max_tokens)
     llm.chat(chats[:2], params, use_tqdm=False)  # warm-up
     before = llm.get_metrics()
@@ -268,6 +307,7 @@ def run_mode(mode: str, draft: str | None, opts, chats) -> dict:
     return {
         "mode": mode,
         "draft": draft,
+        "proposed_tokens": proposed,
         "output_tokens": tokens,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1),
@@ -286,7 +326,9 @@ def run_mode(mode: str, draft: str | None, opts, chats) -> dict:
 @click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True)
 @click.option("--limit", type=int, default=None, help="use the first N prompts")
 @click.option("--batch", type=int, default=None, help="prompts decoded together [default: all]")
-@click.option("--num-spec", type=int, default=3, show_default=True)
+@click.option("--num-spec", type=click.IntRange(min=1), default=None,
+              help="tokens every method proposes a step [default: each draft's own, as vLLM serves its folder; "
+              "n-gram 3; mtp the verifier's MTP layers]")  # fmt: skip
 @click.option("--max-tokens", type=int, default=256, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 decodes greedily")
 @click.option("--ngram-min", type=int, default=4, show_default=True,
@@ -307,17 +349,17 @@ def main(**kw) -> None:
     results = [run_mode(mode, draft, opts, chats) for mode, draft in plan(opts)]
     plain = next((r for r in results if r["mode"] == "plain"), None)
     click.echo(
-        "| mode | output tok/s | speed-up | mean acceptance length (steps with a draft) | tokens per verifier step "
-        "| acceptance per position | same text as plain |"
+        "| mode | proposed a step | output tok/s | speed-up | mean acceptance length (steps with a draft) "
+        "| tokens per verifier step | acceptance per position | same text as plain |"
     )
-    click.echo("|---|---|---|---|---|---|---|")
+    click.echo("|---|---|---|---|---|---|---|---|")
     for r in results:
         r["speedup"] = round(r["tokens_per_s"] / plain["tokens_per_s"], 3) if plain else None
         r["same_text_as_plain"] = r["texts"] == plain["texts"] if plain and not opts.temperature else None
-        click.echo(
-            f"| {r['mode']} | {r['tokens_per_s']:,.1f} | {r['speedup']} | {r['mean_acceptance_length']} | "
-            f"{r['tokens_per_step']} | {r['acceptance_rate_per_position']} | {r['same_text_as_plain']} |"
-        )
+        cells = [r["mode"], r["proposed_tokens"], f"{r['tokens_per_s']:,.1f}", r["speedup"],
+                 r["mean_acceptance_length"], r["tokens_per_step"], r["acceptance_rate_per_position"],
+                 r["same_text_as_plain"]]  # fmt: skip
+        click.echo("| " + " | ".join(map(str, cells)) + " |")
     if opts.json_path:
         args = {**kw, "prompts": str(opts.prompts), "json": None}
         del args["json_path"]

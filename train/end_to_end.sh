@@ -13,9 +13,9 @@
 # too (WORK/check_draft_online.json); speculators checkpoints every quarter epoch and by default resumes from its
 # latest one, so rerunning a cut stage goes on.
 # Smaller trial runs: MAX_NEW_TOKENS (answers), MAX_TOKENS (measured decoding), TRAIN_ARGS (e.g. --dry-run).
-# MEASURE_ARGS adds check_draft.py options (e.g. "--temperature 0.7" for sampled decoding, "--num-spec 7": every
-# method proposes that many tokens a step, 3 by default); MODES its modes for the offline drafts (default
-# plain,KINDS,ngram; the online drafts: their kinds alone).
+# MEASURE_ARGS adds check_draft.py options (e.g. "--temperature 0.7" for sampled decoding, "--num-spec 3": every
+# method proposes that many tokens a step; by default each draft its own count); MODES its modes for the offline
+# drafts (default plain,KINDS,ngram; the online drafts: their kinds alone).
 # EXTRACT_ARGS adds eagle-extract options (e.g. "--engine-arg gpu_memory_utilization=0.5" to share the GPU).
 # TEMPERATURE (default 0.7) samples the answers; lower is closer to the greedy decoding measured at the end
 # (0: greedy, then COPIES=1). SYNTH=N adds N distinct prompts the model writes itself (synthesize_prompts.py).
@@ -24,9 +24,19 @@ data=${1:?usage: end_to_end.sh DATA_DIR WORK [COPIES] [EPOCHS]}
 work=${2:?usage: end_to_end.sh DATA_DIR WORK [COPIES] [EPOCHS]}
 copies=${3:-4}
 epochs=${4:-10}
-mkdir -p "$work"
 stages=${STAGES:-extract,train,measure}
 IFS=, read -r -a kinds <<< "${KINDS:-eagle3}"
+for i in "${!kinds[@]}"; do  # checked before any stage: a misspelt kind would fail only after the extraction
+  kinds[i]=${kinds[i]// /}
+  case ${kinds[i]} in
+    eagle3|peagle|dflash|dflash2|dspark) ;;
+    mtp) echo "end_to_end.sh: KINDS=$KINDS: mtp trains only for a verifier with MTP weights, which SmolLM2 has not" >&2
+         exit 1 ;;
+    *) echo "end_to_end.sh: KINDS=$KINDS: unknown kind '${kinds[i]}'; use eagle3, peagle, dflash, dflash2 or dspark" >&2
+       exit 1 ;;
+  esac
+done
+mkdir -p "$work"
 step() { printf '\n== %s  (%s)\n' "$1" "$(date +%T)"; }
 folder() { [[ $1 == eagle3 ]] && echo "$work/$2" || echo "$work/$2-$1"; }  # folder KIND draft|draft-online
 model=$(python3 -c 'from eagle_extract.smollm2 import ensure_smollm2; print(ensure_smollm2())')
@@ -98,15 +108,19 @@ fi
 if [[ $stages == *measure* ]]; then
 step "measure on held-out prompts"
 for trained in draft draft-online; do  # the offline drafts, and the online ones where that stage ran
-  drafts=() present=()
+  drafts=() present=() missing=()
   for kind in "${kinds[@]}"; do
     dir=$(folder "$kind" $trained)
-    [ -d "$dir" ] || continue
+    [ -d "$dir" ] || { missing+=("$dir"); continue; }
     drafts+=(--draft "$(python3 -c "import sys; sys.path.insert(0, 'train'); from train_draft import servable_draft
 print(servable_draft(sys.argv[1]))" "$dir")")
     present+=("$kind")
   done
-  (( ${#present[@]} )) || continue
+  [[ $trained == draft-online && ${#present[@]} -eq 0 ]] && continue  # the online stage did not run
+  if (( ${#missing[@]} )); then
+    echo "end_to_end.sh: no trained draft in ${missing[*]}: run the train (or online) stage for KINDS=${KINDS:-eagle3}" >&2
+    exit 1
+  fi
   measured=$(IFS=,; echo "${present[*]}")
   if [[ $trained == draft ]]; then
     modes=${MODES:-plain,$measured,ngram}

@@ -174,6 +174,8 @@ def main(**opts) -> None:
         config = speculative_config(kind, str(draft), json.loads((draft / "config.json").read_text()))
         serving = (f"vllm serve {verifier} --speculative-config '{json.dumps(config)}'" if config else
                    "speculators stitch-mtp (puts the draft back into the verifier), then vllm serve it")  # fmt: skip
+        if kind == "peagle":  # vLLM 0.34's speculators reader refuses P-EAGLE drafts
+            serving += "  (vLLM 0.22 to 0.33; 0.34 serves no P-EAGLE draft)"
         click.echo(f"draft: {draft}\nserve: {serving}")
     sys.exit(rc)
 
