@@ -51,6 +51,7 @@ def test_draft_takes_the_extracted_layers_and_vllm_serves_it(tmp_path, smollm2_b
     assert proc.returncode == 0, failure(proc)
     plain, eagle = json.loads(out.read_text())["results"]
     assert eagle["drafts"] > 0  # the draft was asked
+    assert (plain["proposed_tokens"], eagle["proposed_tokens"]) == (0, 3)  # the draft's own count, its config's
     rates = eagle["acceptance_rate_per_position"]
     assert len(rates) == 3 and abs(1 + sum(rates) - eagle["mean_acceptance_length"]) < 2e-3
     # Over all steps: 1 without speculation; an EAGLE-3 draft proposes at every step, so it agrees with vLLM's
@@ -295,7 +296,7 @@ def test_draft_kinds_and_verifiers_a_mode_cannot_measure_are_refused_in_one_line
     mtp = speculators_draft(tmp_path / "mtp", "mtp")
     assert refusal("plain,xpress") == (  # speculators 0.9 trains xpress drafts; no vLLM here serves them
         f"Error: --modes xpress: this vLLM ({vllm.__version__}) does not serve xpress drafts; no release to 0.34.0 "
-        "does; measure a draft of another kind"
+        "reads speculators' xpress folders; measure a draft of another kind"
     )
     assert refusal("plain,dflash", [dflash, dflash_too]) == (
         f"Error: --modes dflash: 2 --draft folders are of kind dflash ({dflash}, {dflash_too}); measure one per run"
@@ -330,17 +331,37 @@ def test_draft_kinds_and_verifiers_a_mode_cannot_measure_are_refused_in_one_line
     )
 
 
-@pytest.mark.parametrize("kind, releases", [("dspark", "vLLM 0.25.0 and later do"),
-                                            ("peagle", "vLLM 0.22.0 to 0.33.0 do")])  # fmt: skip
-def test_a_kind_an_older_or_newer_release_serves_is_refused_naming_the_releases_that_do(monkeypatch, kind, releases):
-    """The release the kind's reader is missing from (dspark before 0.25) or refuses it in (P-EAGLE on 0.34),
-    made here by taking the kind out of the installed reader's table."""
+def test_a_kind_an_older_or_newer_release_serves_is_refused_naming_the_releases_that_do(monkeypatch):
+    """A release whose speculators reader lacks the kind (dspark before 0.25: taken out of the installed reader's
+    table here), and one whose reader refuses it (0.34 on P-EAGLE, with 0.34's own message)."""
     import vllm
     from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-    monkeypatch.delitem(SUPPORTED_SPECULATORS_TYPES, kind)
-    assert refusal(f"plain,{kind}") == (
-        f"Error: --modes {kind}: this vLLM ({vllm.__version__}) does not serve {kind} drafts; {releases}"
+    monkeypatch.delitem(SUPPORTED_SPECULATORS_TYPES, "dspark")
+    assert refusal("plain,dspark") == (
+        f"Error: --modes dspark: this vLLM ({vllm.__version__}) does not serve dspark drafts; vLLM 0.25.0 and later do"
+    )
+    reader = SpeculatorsConfig.build_vllm_speculative_config
+
+    def as_on_034(config):
+        if config["speculators_model_type"] == "peagle":
+            raise ValueError("P-EAGLE (parallel drafting EAGLE-3) is not supported.")
+        return reader(config)
+
+    monkeypatch.setattr(SpeculatorsConfig, "build_vllm_speculative_config", as_on_034)
+    assert refusal("plain,peagle") == (
+        f"Error: --modes peagle: this vLLM ({vllm.__version__}) does not serve peagle drafts; vLLM 0.22.0 to 0.33.0 do"
+    )
+
+
+def test_a_draft_config_vllm_cannot_read_is_refused_before_any_mode_runs(tmp_path):
+    draft = speculators_draft(tmp_path / "eagle3", "eagle3")
+    config = json.loads((Path(draft) / "config.json").read_text())
+    config["speculators_config"]["proposal_methods"] = []  # no proposal: vLLM's reader cannot take it
+    (Path(draft) / "config.json").write_text(json.dumps(config))
+    assert refusal("plain,eagle3", [draft]).startswith(
+        f"Error: --draft {draft}: this vLLM cannot read its config.json as a eagle3 draft ("
     )
 
 
@@ -355,6 +376,7 @@ def test_mtp_is_refused_for_a_verifier_in_whose_config_vllm_finds_no_mtp_layers(
         assert check_plan("plain,mtp", verifier=verifier) == [("plain", None), ("mtp", None)]
         two = model_config(tmp_path / "two", **{**config, "num_nextn_predict_layers": 2})
         assert check_plan("mtp", verifier=two, num_spec=4) == [("mtp", None)]  # two steps of the two layers
+        assert check_plan("mtp", verifier=two, num_spec=1) == [("mtp", None)]  # fewer than the layers
         assert refusal("mtp", verifier=two, num_spec=3) == (  # vLLM refuses it only once the engine starts
             "Error: --num-spec 3: the verifier's 2 MTP layers propose a multiple of 2 tokens a step (or fewer); pass "
             "such a --num-spec, or none for their own"
@@ -378,3 +400,17 @@ def test_end_to_end_refuses_a_kind_it_cannot_train_before_any_stage(tmp_path, ki
                           text=True, env={**os.environ, "KINDS": kinds})  # fmt: skip
     assert proc.returncode == 1 and proc.stderr.strip() == f"end_to_end.sh: KINDS={kinds}: {said}", proc.stderr
     assert proc.stdout == "" and not work.exists()
+
+
+def test_end_to_end_measures_only_when_every_kind_has_a_trained_draft(tmp_path):
+    work = tmp_path / "work"
+    (work / "draft").mkdir(parents=True)  # eagle3 trained, dflash not
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # its python3 is the one with eagle_extract
+    env = {**os.environ, "KINDS": "eagle3,dflash", "STAGES": "measure", "PATH": path}
+    proc = subprocess.run(["bash", str(TRAIN / "end_to_end.sh"), str(tmp_path), str(work)], capture_output=True,
+                          text=True, env=env)  # fmt: skip
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+        f"end_to_end.sh: no trained draft in {work}/draft-dflash: run the train (or online) stage for "
+        "KINDS=eagle3,dflash"
+    ), proc.stderr
+    assert not list(work.glob("check_*.json"))

@@ -14,8 +14,9 @@ serves the folder itself (its speculators reader gives the method, the options a
 step: peagle is eagle3 with parallel drafting on 0.22-0.33, dflash2 is dflash); `mtp` measures the
 verifier's own MTP layers and takes no --draft (a speculators mtp draft is served after `speculators
 stitch-mtp` puts it back into a verifier, passed as --verifier).  Each method proposes --num-spec
-tokens a step when it is given, else its own count: a draft's from its config (EAGLE-3 3, DFlash and
-DSpark their block size - 1, P-EAGLE 8), n-gram 3, mtp the verifier's MTP layers.  Each engine is
+tokens a step when it is given, else its own count: a draft's `speculative_tokens` from its config
+(speculators writes it from the training settings: 3 for EAGLE-3 by default), n-gram 3, mtp the
+verifier's MTP layers.  Each engine is
 started with the same arguments; greedy unless --temperature is above 0 (then sampled, and texts are
 not compared).  Prints one table: the tokens proposed a step, output tokens/s, speed-up over plain,
 vLLM's mean acceptance length, tokens per verifier step, the acceptance rate at each draft
@@ -26,14 +27,15 @@ length (1 + accepted draft tokens per step that had a draft) leaves out the step
 proposal; n-gram proposes only where its n-gram occurred earlier in the text, a draft at every
 step.  Tokens per verifier step counts all steps: each step emits 1 + its accepted tokens, so
 output - accepted steps emitted the output, and tokens per step is output / (output - accepted):
-exact but for the accepted tokens vLLM counts past a request's end (at most --num-spec per
-request; about one per request, 1 %, in the H200 runs), so a slight overestimate.  It is the
+exact but for the accepted tokens vLLM counts past a request's end (at most the tokens proposed a
+step, per request; about one per request, 1 %, in the H200 runs), so a slight overestimate.  It is the
 figure that sets the speed-up when a verifier step costs far more than proposing.
 
 Refused in one line before any engine starts: a draft kind this vLLM does not serve (naming the
-releases that do), a draft mode without a --draft of its kind or with two, an mtp draft given as
---draft, `mtp` for a verifier in whose config vLLM finds no MTP layers, and a --num-spec its MTP
-layers cannot propose.  An EAGLE-3 or P-EAGLE draft whose layout fields this vLLM would not honour
+releases that do), a draft mode without a --draft of its kind or with two, a draft whose config
+names no kind for more than one draft mode, a draft config vLLM's reader cannot take, an mtp draft
+given as --draft, and for `mtp` a verifier whose config vLLM cannot read or holds no MTP layers, or
+a --num-spec its MTP layers cannot propose.  An EAGLE-3 or P-EAGLE draft whose layout fields this vLLM would not honour
 (such as `norm_output`, which older releases drop) is refused before anything is measured with it;
 DFlash and DSpark drafts' attention layout is not checked against what vLLM builds.
 Engines are eager unless `--engine-arg enforce_eager=false` (CUDA graphs, on a GPU).
@@ -54,12 +56,12 @@ from eagle_extract.config import DRAFT_KINDS
 from eagle_extract.faces.cli import engine_arg_option
 from eagle_extract.job.engine import prepare_environment
 
-# speculators 0.9 also trains xpress drafts, which no vLLM release to 0.34 serves: asking gets the refusal below.
+# speculators 0.9 also trains xpress drafts, whose folders no vLLM release to 0.34 reads: asking gets the refusal below.
 DRAFT_MODES = (*DRAFT_KINDS, "xpress")
 MODES = ("plain", "ngram", *DRAFT_MODES)
 # The first release that serves each kind: the strings of SpeculativeMethod (vllm/config/speculative.py) and the
 # kinds vllm/transformers_utils/configs/speculators/algos.py reads, in the wheels of the releases either side of it
-# (0.19.1 and 0.20.0, 0.21.0 and 0.22.0, 0.24.0 and 0.25.0, 0.28.0 and 0.29.0); 0.18.0 serves eagle3 and mtp already.
+# (0.19.1 and 0.20.0, 0.21.0 and 0.22.0, 0.24.0 and 0.25.0, 0.28.0 and 0.29.0); 0.16.0 serves eagle3 and mtp already.
 FIRST_SERVED = {"dflash": "0.20.0", "peagle": "0.22.0", "dspark": "0.25.0", "dflash2": "0.29.0"}
 # The last release that serves a kind it then dropped: 0.34.0's speculators reader refuses P-EAGLE drafts.
 LAST_SERVED = {"peagle": "0.33.0"}
@@ -94,29 +96,39 @@ def served_methods() -> set[str]:
     return literal_strings(SpeculativeMethod)
 
 
-def vllm_options(kind: str, draft_config: dict | None = None) -> dict | None:
+def vllm_options(kind: str) -> dict | None:
     """The speculative method and options this vLLM serves a draft of `kind` with (its own reading of a speculators
-    draft folder, as `vllm serve DRAFT` does: with the draft's own count of tokens a step when its config is given),
-    or None where it serves no such draft."""
+    draft folder, as `vllm serve DRAFT` does), or None where it serves no such draft."""
     if kind == "mtp":
-        options = {"method": "mtp"}  # the count: the verifier's MTP layers, as vLLM sets it
-    else:
-        from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES
-        from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+        return {"method": "mtp"} if "mtp" in served_methods() else None
+    from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-        if kind not in SUPPORTED_SPECULATORS_TYPES:
-            return None
-        own = (draft_config or {}).get("speculators_model_type") == kind  # else no speculators folder of this kind
-        if not own:
-            proposal = {"proposal_methods": [{"speculative_tokens": 1}]}
-            draft_config = {"speculators_model_type": kind, "speculators_config": proposal}
-        try:
-            options = SpeculatorsConfig.build_vllm_speculative_config(draft_config)
-        except ValueError:  # a reader that refuses the kind (0.34 and P-EAGLE)
-            return None
-        if not own:
-            del options["num_speculative_tokens"]
+    if kind not in SUPPORTED_SPECULATORS_TYPES:
+        return None
+    stand_in = {"speculators_model_type": kind, "speculators_config": {"proposal_methods": [{"speculative_tokens": 1}]}}
+    try:
+        options = SpeculatorsConfig.build_vllm_speculative_config(stand_in)
+    except ValueError:  # a reader that refuses the kind (0.34 and P-EAGLE)
+        return None
+    del options["num_speculative_tokens"]
     return options if options["method"] in served_methods() else None
+
+
+def draft_options(mode: str, draft: str) -> dict:
+    """vLLM's reading of a --draft folder for `mode`: its own config when speculators saved it as that kind (the
+    tokens a step among the options), else the kind's options alone."""
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    config = json.loads((Path(draft) / "config.json").read_text())
+    if config.get("speculators_model_type") != mode:  # a draft speculators did not save, measured as asked
+        return vllm_options(mode)
+    try:
+        return SpeculatorsConfig.build_vllm_speculative_config(config)
+    except Exception as exc:  # whatever vLLM's reader raises on a config it cannot take
+        said = (str(exc).strip().splitlines() or [""])[0][:300]
+        refuse(f"--draft {draft}: this vLLM cannot read its config.json as a {mode} draft ({type(exc).__name__}: "
+               f"{said}); pass the draft folder train_draft.py prints")  # fmt: skip
 
 
 def speculative_config(mode: str, draft: str | None, num_spec: int | None, ngram_min: int = 4) -> dict | None:
@@ -133,7 +145,7 @@ def speculative_config(mode: str, draft: str | None, num_spec: int | None, ngram
         }
     if mode == "mtp":  # its layers are the verifier's own
         return {"method": "mtp", **({"num_speculative_tokens": num_spec} if num_spec else {})}
-    options = vllm_options(mode, json.loads((Path(draft) / "config.json").read_text()))
+    options = dict(draft_options(mode, draft))
     own = options.pop("num_speculative_tokens", None)
     return {**options, "model": draft, "num_speculative_tokens": num_spec or own or 3}
 
@@ -148,7 +160,7 @@ def serving_releases(kind: str) -> str:
         return f"vLLM {first} to {last} do"
     if first:
         return f"vLLM {first} and later do"
-    return f"no release to {NEWEST_READ} does; measure a draft of another kind"
+    return f"no release to {NEWEST_READ} reads speculators' {kind} folders; measure a draft of another kind"
 
 
 def refuse_unserved(mode: str) -> None:
@@ -236,7 +248,11 @@ def plan(opts) -> list[tuple[str, str | None]]:
             refuse(f"--num-spec {opts.num_spec}: the verifier's {layers} MTP layers propose a multiple of "
                    f"{layers} tokens a step (or fewer); pass such a --num-spec, or none for their own")  # fmt: skip
     draft_modes = [mode for mode in modes if mode in DRAFT_MODES and mode != "mtp"]
-    return [(mode, draft_for(mode, kinds, draft_modes) if mode in draft_modes else None) for mode in modes]
+    planned = [(mode, draft_for(mode, kinds, draft_modes) if mode in draft_modes else None) for mode in modes]
+    for mode, draft in planned:
+        if draft:
+            draft_options(mode, draft)  # a config vLLM cannot read is refused now, not after earlier modes ran
+    return planned
 
 
 # Draft config fields that change the draft's computation; vLLM reads each as False when absent.

@@ -111,16 +111,17 @@ for trained in draft draft-online; do  # the offline drafts, and the online ones
   drafts=() present=() missing=()
   for kind in "${kinds[@]}"; do
     dir=$(folder "$kind" $trained)
-    [ -d "$dir" ] || { missing+=("$dir"); continue; }
-    drafts+=(--draft "$(python3 -c "import sys; sys.path.insert(0, 'train'); from train_draft import servable_draft
-print(servable_draft(sys.argv[1]))" "$dir")")
-    present+=("$kind")
+    if [ -d "$dir" ]; then present+=("$kind"); else missing+=("$dir"); fi
   done
   [[ $trained == draft-online && ${#present[@]} -eq 0 ]] && continue  # the online stage did not run
   if (( ${#missing[@]} )); then
     echo "end_to_end.sh: no trained draft in ${missing[*]}: run the train (or online) stage for KINDS=${KINDS:-eagle3}" >&2
     exit 1
   fi
+  for kind in "${present[@]}"; do
+    drafts+=(--draft "$(python3 -c "import sys; sys.path.insert(0, 'train'); from train_draft import servable_draft
+print(servable_draft(sys.argv[1]))" "$(folder "$kind" $trained)")")
+  done
   measured=$(IFS=,; echo "${present[*]}")
   if [[ $trained == draft ]]; then
     modes=${MODES:-plain,$measured,ngram}
