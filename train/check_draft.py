@@ -145,7 +145,7 @@ def speculative_config(mode: str, draft: str | None, num_spec: int | None, ngram
         }
     if mode == "mtp":  # its layers are the verifier's own
         return {"method": "mtp", **({"num_speculative_tokens": num_spec} if num_spec else {})}
-    options = dict(draft_options(mode, draft))
+    options = draft_options(mode, draft)  # a dict of its own: its count is taken out below
     own = options.pop("num_speculative_tokens", None)
     return {**options, "model": draft, "num_speculative_tokens": num_spec or own or 3}
 
