@@ -146,10 +146,21 @@ def _client(datapath: str, port: int, model: str, max_len: int, master: str | No
         _SETUP_ERROR = f"{type(exc).__name__}: {exc}"
 
 
-def _fetch(index: int) -> str | None:
-    """One row through speculators' client (request, answer, load, check, delete); None when it came."""
+def _fetch(index: int) -> tuple[str | None, float]:
+    """One row through speculators' client (request, answer, load, check, delete): None when it came, else
+    why not; and the seconds it took in this client."""
+    t0 = time.perf_counter()
     item = _DATASET[index]
-    return None if isinstance(item, dict) else str(item)
+    return (None if isinstance(item, dict) else str(item)), time.perf_counter() - t0
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """The server's own counters (`GET /metrics`), eagle_extract_* samples by name."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in text.splitlines())
+            if name.startswith("eagle_extract_") and "{" not in name}  # fmt: skip
 
 
 def _ready(_) -> str | None:
@@ -158,21 +169,37 @@ def _ready(_) -> str | None:
     return None if _DATASET is not None else (_SETUP_ERROR or "not set up")
 
 
-def online(pool, rows: int) -> float:
-    """Rows per second of one pass of the client processes over every row."""
+def online(pool, rows: int, port: int) -> dict:
+    """One pass of the client processes over every row: its rows per second, and where a row's time went.
+    The server's counters are summed over its replicas' metrics only with --replicas 1 (Ray Serve's proxy
+    answers /metrics from one replica), so the profile is for one replica."""
+    before = _scrape(port)
     t0 = time.perf_counter()
-    failed = [why for why in pool.map(_fetch, range(rows)) if why]
+    done = list(pool.map(_fetch, range(rows)))
     seconds = time.perf_counter() - t0
+    after = _scrape(port)
+    failed = [why for why, _ in done if why]
     if failed:
         raise SystemExit(f"{len(failed)} rows failed, first: {failed[0]}")
-    return rows / seconds
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    client = sorted(s for _, s in done)
+    served = delta.get("eagle_extract_row_seconds_count", 0.0)
+    return {
+        "rows_s": rows / seconds, "seconds": seconds,
+        "client_row_s_median": client[len(client) // 2], "client_row_s_p90": client[int(len(client) * 0.9)],
+        "server_row_s_mean": delta.get("eagle_extract_row_seconds_sum", 0.0) / served if served else None,
+        "engine_step_s": delta.get("eagle_extract_engine_step_seconds_total"),
+        "engine_wait_s": delta.get("eagle_extract_engine_wait_seconds_total"),
+        "engine_starved_s": delta.get("eagle_extract_engine_starved_seconds_total"),
+        "engine_steps": delta.get("eagle_extract_engine_steps_total"),
+    }  # fmt: skip
 
 
 def serve_pass(
     args, datapath: Path, spool: Path, master: str | None = None, replicas: int = 1
-) -> tuple[list[float], str]:
+) -> tuple[list[dict], str]:
     """One server (the file transfer, or the mooncake one through `master`) and the client processes'
-    `--reps` passes over every row: rows per second of each, and the server's last line."""
+    `--reps` passes over every row: each pass's figures (`online`), and the server's last line."""
     extra = () if master is None else ("--transfer", "mooncake", "--mooncake-master", master,
                                        "--mooncake-global-segment-gib", str(args.mooncake_segment_gib))  # fmt: skip
     extra += ("--replicas", str(replicas)) if replicas > 1 else ()
@@ -184,7 +211,7 @@ def serve_pass(
             unready = [why for why in pool.map(_ready, range(2 * args.clients)) if why]  # before the clock
             if unready:
                 raise SystemExit(f"{len(unready)} of {2 * args.clients} client checks failed, first: {unready[0]}")
-            on = [online(pool, args.rows) for _ in range(args.reps)]
+            on = [online(pool, args.rows, server.port) for _ in range(args.reps)]
     finally:
         said = server.stop()
     print(f"server ({'mooncake' if master else 'file'}): {said}", flush=True)
@@ -232,18 +259,20 @@ def main() -> None:
     for spool in map(Path, args.spool):
         spool.mkdir(parents=True, exist_ok=True)
         off = [] if args.no_offline else [offline(args, data, spool) for _ in range(args.reps)]
-        on, said = serve_pass(args, datapath, spool, replicas=args.replicas[0])
-        row = {"spool": str(spool), "offline_rows_s": off, "online_rows_s": on, "server": said,
-               "ratio": statistics.median(on) / statistics.median(off) if off else None}  # fmt: skip
+        passes, said = serve_pass(args, datapath, spool, replicas=args.replicas[0])
+        on = [p["rows_s"] for p in passes]
+        row = {"spool": str(spool), "offline_rows_s": off, "online_rows_s": on, "online_passes": passes,
+               "server": said, "ratio": statistics.median(on) / statistics.median(off) if off else None}  # fmt: skip
         for k in args.replicas[1:]:
-            row[f"online_rows_s_replicas_{k}"], row[f"server_replicas_{k}"] = serve_pass(args, datapath, spool,
-                                                                                          replicas=k)  # fmt: skip
+            passes, row[f"server_replicas_{k}"] = serve_pass(args, datapath, spool, replicas=k)
+            row[f"online_rows_s_replicas_{k}"] = [p["rows_s"] for p in passes]
         if args.mooncake:
             master = Master()
             try:
-                row["mooncake_rows_s"], row["mooncake_server"] = serve_pass(args, datapath, spool, master.address)
+                passes, row["mooncake_server"] = serve_pass(args, datapath, spool, master.address)
             finally:
                 master.stop()
+            row["mooncake_rows_s"], row["mooncake_passes"] = [p["rows_s"] for p in passes], passes
             row["mooncake_vs_file"] = statistics.median(row["mooncake_rows_s"]) / statistics.median(on)
         results.append(row)
         print(f"{spool}: {json.dumps(row)}", flush=True)
@@ -261,6 +290,19 @@ def main() -> None:
         if args.mooncake:
             mc = f"{statistics.median(r['mooncake_rows_s']):.1f} | {r['mooncake_vs_file']:.3f}"
         print(f"| {r['spool']} | {off} | {statistics.median(r['online_rows_s']):.1f} | {ratio} | {mc} |")
+    print(
+        "| spool | pass | rows/s | engine busy / waiting for workers / starved (s) | row in server, mean (s) "
+        "| row in client, median / p90 (s) |"
+    )
+    for r in results:
+        for i, p in enumerate(r["online_passes"]):
+            eng = " / ".join("-" if p[k] is None else f"{p[k]:.2f}" for k in
+                             ("engine_step_s", "engine_wait_s", "engine_starved_s"))  # fmt: skip
+            srv = "-" if p["server_row_s_mean"] is None else f"{p['server_row_s_mean']:.3f}"
+            print(
+                f"| {r['spool']} | {i + 1} | {p['rows_s']:.1f} | {eng} of {p['seconds']:.2f} | {srv} "
+                f"| {p['client_row_s_median']:.3f} / {p['client_row_s_p90']:.3f} |"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
