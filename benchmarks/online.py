@@ -12,8 +12,10 @@ check, delete), `--reps` passes.  With --mooncake, then the same through `serve 
 `mooncake_master` on loopback TCP, each client reading with speculators' own mooncake backend (hs-connectors'
 MooncakeTransfer); the spool then only holds each row until it is put.  Rows are random token ids of
 --prompt-len (a fixed seed), the same for all.  --replicas 1 2: the file-spool server with each number of
-replicas (`serve --replicas`, on Ray Serve past 1), one after the other in the same run.  Prints a table;
---json saves it.
+replicas (`serve --replicas`, on Ray Serve past 1), one after the other in the same run.  Prints a table,
+then where a row's time went in each pass of the first server (its /metrics: the engine's seconds in steps, in
+looks at its workers and starved of requests, a row's seconds in the server; each client's own clock: a row's
+seconds there); --json saves it all.
 """
 
 from __future__ import annotations
@@ -169,30 +171,31 @@ def _ready(_) -> str | None:
     return None if _DATASET is not None else (_SETUP_ERROR or "not set up")
 
 
-def online(pool, rows: int, port: int) -> dict:
-    """One pass of the client processes over every row: its rows per second, and where a row's time went.
-    The server's counters are summed over its replicas' metrics only with --replicas 1 (Ray Serve's proxy
-    answers /metrics from one replica), so the profile is for one replica."""
-    before = _scrape(port)
+def online(pool, rows: int, port: int | None) -> dict:
+    """One pass of the client processes over every row: its rows per second, and where a row's time went (the
+    server's counters from `port`; None with replicas, whose /metrics each answer for one replica alone)."""
+    before = _scrape(port) if port else {}
     t0 = time.perf_counter()
     done = list(pool.map(_fetch, range(rows)))
     seconds = time.perf_counter() - t0
-    after = _scrape(port)
     failed = [why for why, _ in done if why]
     if failed:
         raise SystemExit(f"{len(failed)} rows failed, first: {failed[0]}")
-    delta = {k: after[k] - before.get(k, 0.0) for k in after}
     client = sorted(s for _, s in done)
-    served = delta.get("eagle_extract_row_seconds_count", 0.0)
+    took = {"rows_s": rows / seconds, "seconds": seconds, "client_row_s_median": client[len(client) // 2],
+            "client_row_s_p90": client[int(len(client) * 0.9)]}  # fmt: skip
+    if not port:
+        return took
+    delta = {k: v - before.get(k, 0.0) for k, v in _scrape(port).items()}
+    served = delta["eagle_extract_row_seconds_count"]
     return {
-        "rows_s": rows / seconds, "seconds": seconds,
-        "client_row_s_median": client[len(client) // 2], "client_row_s_p90": client[int(len(client) * 0.9)],
-        "server_row_s_mean": delta.get("eagle_extract_row_seconds_sum", 0.0) / served if served else None,
-        "engine_step_s": delta.get("eagle_extract_engine_step_seconds_total"),
-        "engine_wait_s": delta.get("eagle_extract_engine_wait_seconds_total"),
-        "engine_starved_s": delta.get("eagle_extract_engine_starved_seconds_total"),
-        "engine_steps": delta.get("eagle_extract_engine_steps_total"),
-    }  # fmt: skip
+        **took,
+        "server_row_s_mean": delta["eagle_extract_row_seconds_sum"] / served if served else None,
+        "engine_step_s": delta["eagle_extract_engine_step_seconds_total"],
+        "engine_wait_s": delta["eagle_extract_engine_wait_seconds_total"],
+        "engine_starved_s": delta["eagle_extract_engine_starved_seconds_total"],
+        "engine_steps": delta["eagle_extract_engine_steps_total"],
+    }
 
 
 def serve_pass(
@@ -211,7 +214,7 @@ def serve_pass(
             unready = [why for why in pool.map(_ready, range(2 * args.clients)) if why]  # before the clock
             if unready:
                 raise SystemExit(f"{len(unready)} of {2 * args.clients} client checks failed, first: {unready[0]}")
-            on = [online(pool, args.rows, server.port) for _ in range(args.reps)]
+            on = [online(pool, args.rows, server.port if replicas == 1 else None) for _ in range(args.reps)]
     finally:
         said = server.stop()
     print(f"server ({'mooncake' if master else 'file'}): {said}", flush=True)
@@ -296,9 +299,9 @@ def main() -> None:
     )
     for r in results:
         for i, p in enumerate(r["online_passes"]):
-            eng = " / ".join("-" if p[k] is None else f"{p[k]:.2f}" for k in
+            eng = " / ".join("-" if p.get(k) is None else f"{p[k]:.2f}" for k in
                              ("engine_step_s", "engine_wait_s", "engine_starved_s"))  # fmt: skip
-            srv = "-" if p["server_row_s_mean"] is None else f"{p['server_row_s_mean']:.3f}"
+            srv = "-" if p.get("server_row_s_mean") is None else f"{p['server_row_s_mean']:.3f}"
             print(
                 f"| {r['spool']} | {i + 1} | {p['rows_s']:.1f} | {eng} of {p['seconds']:.2f} | {srv} "
                 f"| {p['client_row_s_median']:.3f} / {p['client_row_s_p90']:.3f} |"
