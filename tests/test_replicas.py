@@ -102,3 +102,22 @@ def test_a_replica_whose_engine_dies_comes_back_and_every_request_is_answered(tw
     assert two_replicas.proc.wait(timeout=180) == 0, "".join(two_replicas.lines[-20:])
     assert two_replicas.lines[-1].startswith("stopped: "), two_replicas.lines[-5:]
     assert _row_files(two_replicas.spool) == []
+
+
+def test_the_server_stops_once_no_replica_can_start_again():
+    """Ray Serve tries a replica that fails after it served again for ever; with none serving, the trainers would
+    wait on 503s for ever: once every replica's restart failed twice the server stops, naming the last cause."""
+    from eagle_extract.errors import ExtractError
+    from eagle_extract.faces.fleet import _still_failing
+
+    healthy, dead = {"a": {"failed": None}, "b": {"failed": "engine died"}}, {"b": {"failed": "engine died"}}
+    tries = [(0, "x"), (1, "y"), (0, "x"), (1, "y")]
+    assert _still_failing(tries, healthy, 2) == []  # one replica serves: the count starts again
+    assert _still_failing([(0, "x")] * 5, dead, 2) == [(0, "x")] * 5  # replica 1 is still loading: wait for it
+    assert _still_failing(tries[:3], {}, 2) == tries[:3]  # replica 1 failed once only
+    with pytest.raises(ExtractError) as stopped:
+        _still_failing([*tries[:3], (1, "--model /m: no such folder")], dead, 2)
+    assert str(stopped.value) == (
+        "no replica could start again (4 tries; the last, replica 1: --model /m: no such folder); the server stops: "
+        "fix that and start it again"
+    )

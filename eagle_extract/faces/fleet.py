@@ -10,6 +10,7 @@ our own.  The replicas' lines and counts reach this process through a small acto
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -307,10 +308,14 @@ def _run(cfg: ExtractConfig, opts: ServeOptions, log, mark: Path | None) -> int:
         saved = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         log(f"serving http://{opts.host}:{opts.port}/v1 (model {opts.served_model_name or cfg.model}, "
             f"{opts.replicas} replicas)")  # fmt: skip
-        said, shown = time.monotonic(), 0
+        said, shown, failing = time.monotonic(), 0, []
         while not stop.wait(0.5):
-            for rank, message in relay():
-                log(f"replica {rank} did not start again: {message}; the other replicas serve on")
+            restarts = relay()
+            if restarts:
+                failing = _still_failing(failing + restarts, ray.get(tally.read.remote()), opts.replicas)
+            for rank, message in restarts:
+                others = "the other replicas serve on" if not failing else "no replica serves; Ray Serve tries again"
+                log(f"replica {rank} did not start again: {message}; {others}")
             if time.monotonic() - said > PROGRESS_S:
                 said, counts = time.monotonic(), ray.get(tally.read.remote())
                 if sum(c["rows"] for c in counts.values()) != shown:  # progress, while there is any
@@ -325,6 +330,20 @@ def _run(cfg: ExtractConfig, opts: ServeOptions, log, mark: Path | None) -> int:
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
     return status
+
+
+def _still_failing(failing: list[tuple[int, str]], counts: dict, replicas: int) -> list[tuple[int, str]]:
+    """The restarts that failed since a replica last served: none while one serves.  Once every replica's restart
+    has failed twice with none serving, raises: Ray Serve would try again for ever, and the trainers wait on 503s.
+    (A replica still loading its model has not failed: the server waits for it.)"""
+    if any(not c["failed"] for c in counts.values()):
+        return []
+    tries = collections.Counter(rank for rank, _ in failing)  # a replica's successor has its rank
+    if len(tries) >= replicas and min(tries.values()) >= 2:
+        rank, message = failing[-1]
+        raise ExtractError(f"no replica could start again ({len(failing)} tries; the last, replica {rank}: {message}); "
+                           "the server stops: fix that and start it again")  # fmt: skip
+    return failing
 
 
 def _stop(log, tally, relay, ended: bool) -> int:
