@@ -115,6 +115,8 @@ def test_the_server_stops_once_no_replica_can_start_again():
     assert _still_failing(tries, healthy, 2) == []  # one replica serves: the count starts again
     assert _still_failing([(0, "x")] * 5, dead, 2) == [(0, "x")] * 5  # replica 1 is still loading: wait for it
     assert _still_failing(tries[:3], {}, 2) == tries[:3]  # replica 1 failed once only
+    recovered = _still_failing(tries[:3], healthy, 2)  # both came back: the old tries no longer count
+    assert _still_failing([*recovered, (1, "y")], dead, 2) == [(1, "y")]
     with pytest.raises(ExtractError) as stopped:
         _still_failing([*tries[:3], (1, "--model /m: no such folder")], dead, 2)
     assert str(stopped.value) == (

@@ -311,11 +311,13 @@ def _run(cfg: ExtractConfig, opts: ServeOptions, log, mark: Path | None) -> int:
         said, shown, failing = time.monotonic(), 0, []
         while not stop.wait(0.5):
             restarts = relay()
-            if restarts:
-                failing = _still_failing(failing + restarts, ray.get(tally.read.remote()), opts.replicas)
-            for rank, message in restarts:
-                others = "the other replicas serve on" if not failing else "no replica serves; Ray Serve tries again"
-                log(f"replica {rank} did not start again: {message}; {others}")
+            if restarts or failing:
+                counts = ray.get(tally.read.remote())
+                serving = any(not c["failed"] for c in counts.values())
+                for rank, message in restarts:
+                    others = "the other replicas serve on" if serving else "no replica serves; Ray Serve tries again"
+                    log(f"replica {rank} did not start again: {message}; {others}")
+                failing = _still_failing(failing + restarts, counts, opts.replicas)
             if time.monotonic() - said > PROGRESS_S:
                 said, counts = time.monotonic(), ray.get(tally.read.remote())
                 if sum(c["rows"] for c in counts.values()) != shown:  # progress, while there is any
@@ -333,9 +335,10 @@ def _run(cfg: ExtractConfig, opts: ServeOptions, log, mark: Path | None) -> int:
 
 
 def _still_failing(failing: list[tuple[int, str]], counts: dict, replicas: int) -> list[tuple[int, str]]:
-    """The restarts that failed since a replica last served: none while one serves.  Once every replica's restart
-    has failed twice with none serving, raises: Ray Serve would try again for ever, and the trainers wait on 503s.
-    (A replica still loading its model has not failed: the server waits for it.)"""
+    """The restarts that failed since a replica last served: none while one serves (asked every turn while any
+    failed, so replicas that came back start the count again).  Once every replica's restart has failed twice
+    with none serving, raises: Ray Serve would try again for ever, and the trainers wait on 503s.  (A replica
+    still loading its model has not failed: the server waits for it.)"""
     if any(not c["failed"] for c in counts.values()):
         return []
     tries = collections.Counter(rank for rank, _ in failing)  # a replica's successor has its rank
