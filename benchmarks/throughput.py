@@ -223,11 +223,16 @@ def leave_out(worker, stage: str) -> None:
 
 
 def layer_cut(model: str, layers: int, where: Path) -> str:
-    """A copy of `model`'s config.json with its first `layers` layers (dummy weights only)."""
+    """A copy of `model`'s config.json with its first `layers` layers (dummy weights only); a multimodal
+    wrapper's (Kimi-K2.5's) layers are its text_config's."""
     config = json.loads((Path(model) / "config.json").read_text())
+    if "text_config" in config:
+        config["text_config"] = {**config["text_config"], "num_hidden_layers": layers}
+    else:
+        config["num_hidden_layers"] = layers
     folder = where / f"{Path(model).name}-{layers}l"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    (folder / "config.json").write_text(json.dumps(config))
     return str(folder)
 
 

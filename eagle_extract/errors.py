@@ -63,10 +63,10 @@ def engine_failed(exc: Exception, log_path=None, advice: str = ROWS_KEPT) -> Ext
     vLLM only points at "the root cause above", that cause is read from the run's log."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     said = " ".join(line for line in lines if not line.startswith("For further information")) or "no message"
-    what = f"{type(exc).__name__}: {said}"
+    what, fix = f"{type(exc).__name__}: {said}", ""
     if _POINTER.search(said):
-        what = _engine_process_error(log_path) or what
-    return ExtractError(f"the vLLM engine failed ({what[:400]}); {advice}")
+        what, fix = _engine_process_error(log_path) or (what, "")
+    return ExtractError(f"the vLLM engine failed ({what[:400]}){fix}; {advice}")
 
 
 # vLLM's messages that name no cause but point at one logged before ("See root cause above", "See stack
@@ -82,9 +82,19 @@ _LOGGED_ERROR = re.compile(
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its workers' prefixes
 
 
-def _engine_process_error(log_path) -> str | None:
+# vLLM 0.32 and later convert INT4 MoE experts to the Humming kernel's format on Hopper by default, unpacking
+# each layer's 4-bit codes to one int32 each while loading: 42 GiB for one Kimi-K2.5 layer at TP=1, on top of
+# every weight (docs/models.md, measured on an H100).  Marlin runs on the packed weights.
+_HUMMING_OOM = (
+    ", while vLLM unpacked a layer's INT4 experts into its Humming kernel's format: pass "
+    "--engine-arg moe_backend=marlin, which keeps them packed (slower prefill), or more GPUs with --tp"
+)
+
+
+def _engine_process_error(log_path) -> tuple[str, str] | None:
     """The last exception an engine process wrote to the run's log (its last 256 KiB) since this run
-    started there (a resumed run appends to the log of the runs before it), if any."""
+    started there (a resumed run appends to the log of the runs before it), if any, and the fix for a
+    failure whose cause the log shows."""
     if log_path is None:
         return None
     try:
@@ -97,4 +107,8 @@ def _engine_process_error(log_path) -> str | None:
     lines = (_COLOUR.sub("", line).strip() for line in tail.splitlines())
     logged = [m.group(1) for line in lines if (m := _LOGGED_ERROR.match(line))]
     logged = [e for e in logged if not _POINTER.search(e)]
-    return logged[-1] if logged else None
+    if not logged:
+        return None
+    if "OutOfMemoryError" in logged[-1] and "convert_to_humming_moe_kernel_format" in tail:
+        return logged[-1].split(" Including non-PyTorch")[0], _HUMMING_OOM  # not torch's allocator advice
+    return logged[-1], ""

@@ -446,3 +446,33 @@ def test_engine_failure_names_what_the_engine_process_logged_in_this_run(tmp_pat
     log.write_text(now.split("\n", 1)[0] + "\n" + worker + pointer)
     said = str(engine_failed(dead, log))
     assert said.startswith("the vLLM engine failed (torch.OutOfMemoryError: CUDA out of memory.)")
+
+
+def test_engine_failure_names_the_fix_for_humming_running_out_of_memory_while_loading(tmp_path):
+    """vLLM 0.34's Humming INT4 MoE kernel unpacks a layer's experts while loading and runs out of GPU memory
+    (lines as vLLM 0.34 wrote them on an H100 for Kimi-K2.5 at 7 layers, 2026-12-06,
+    docs/results/kimi_int4_7l_marlin_then_humming_vllm-0.34.0_h100_2026-12-06.log): the line names moe_backend=marlin
+    and leaves out torch's allocator advice; another out-of-memory error gets no such fix."""
+    from eagle_extract.errors import engine_failed
+    from eagle_extract.runlog import START
+
+    error = "(EngineCore pid=2430) ERROR 12-06 06:33:09 [core.py:1757] "
+    oom = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 42.00 GiB. GPU 0 has a total capacity of "
+        "79.18 GiB of which 18.23 GiB is free. Including non-PyTorch memory, this process has 60.94 GiB memory in "
+        "use. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    )
+    start = f"2026-12-06 06:32:41 eagle-extract: {START}eagle-extract --model kimi\n"
+    humming = f"{error}    convert_to_humming_moe_kernel_format(\n"
+    exc = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    log = tmp_path / "eagle_extract.log"
+    log.write_text(start + humming + error + oom + "\n")
+    said = str(engine_failed(exc, log))
+    assert said.startswith(
+        "the vLLM engine failed (torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 42.00 GiB. GPU 0 has "
+        "a total capacity of 79.18 GiB of which 18.23 GiB is free.), while vLLM unpacked"
+    ), said
+    assert "--engine-arg moe_backend=marlin" in said and "PYTORCH_CUDA_ALLOC_CONF" not in said and "\n" not in said
+    log.write_text(start + error + oom + "\n")  # out of memory elsewhere: torch's whole message, no fix
+    said = str(engine_failed(exc, log))
+    assert "moe_backend" not in said and "Including non-PyTorch memory" in said
