@@ -193,6 +193,7 @@ def online(pool, rows: int, port: int | None) -> dict:
         "server_row_s_mean": delta["eagle_extract_row_seconds_sum"] / served if served else None,
         "engine_step_s": delta["eagle_extract_engine_step_seconds_total"],
         "engine_wait_s": delta["eagle_extract_engine_wait_seconds_total"],
+        "engine_wait_worker_s": delta["eagle_extract_engine_wait_worker_seconds_total"],
         "engine_starved_s": delta["eagle_extract_engine_starved_seconds_total"],
         "engine_steps": delta["eagle_extract_engine_steps_total"],
     }
@@ -294,13 +295,14 @@ def main() -> None:
             mc = f"{statistics.median(r['mooncake_rows_s']):.1f} | {r['mooncake_vs_file']:.3f}"
         print(f"| {r['spool']} | {off} | {statistics.median(r['online_rows_s']):.1f} | {ratio} | {mc} |")
     print(
-        "| spool | pass | rows/s | engine busy / waiting for workers / starved (s) | row in server, mean (s) "
+        "| spool | pass | rows/s | engine busy / waiting for workers / of it in the workers / starved (s) "
+        "| row in server, mean (s) "
         "| row in client, median / p90 (s) |"
     )
     for r in results:
         for i, p in enumerate(r["online_passes"]):
             eng = " / ".join("-" if p.get(k) is None else f"{p[k]:.2f}" for k in
-                             ("engine_step_s", "engine_wait_s", "engine_starved_s"))  # fmt: skip
+                             ("engine_step_s", "engine_wait_s", "engine_wait_worker_s", "engine_starved_s"))  # fmt: skip
             srv = "-" if p.get("server_row_s_mean") is None else f"{p['server_row_s_mean']:.3f}"
             print(
                 f"| {r['spool']} | {i + 1} | {p['rows_s']:.1f} | {eng} of {p['seconds']:.2f} | {srv} "

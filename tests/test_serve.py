@@ -331,6 +331,8 @@ def test_a_client_that_goes_away_leaves_no_row_and_no_bytes_and_a_linked_row_cou
     assert scraped["eagle_extract_rows_total"] == health["rows"]
     assert scraped["eagle_extract_requests_abandoned_total"] == before["abandoned"] + 2
     assert scraped["eagle_extract_row_seconds_count"] >= 7 and scraped["eagle_extract_engine_step_seconds_total"] > 0
+    waited = scraped["eagle_extract_engine_wait_seconds_total"]  # the workers' part of the looks is part of them
+    assert 0 < scraped["eagle_extract_engine_wait_worker_seconds_total"] < waited
 
 
 def test_a_row_whose_file_cannot_be_written_fails_alone_and_the_server_goes_on(smollm2_server):

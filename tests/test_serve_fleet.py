@@ -138,7 +138,7 @@ class _Loop:
 
         self.futures: list[Future] = []
         self.abandoned, self.failed, self.rows, self.tokens, self.redone = 0, None, 0, 0, 0
-        self.steps, self.step_s, self.drain_s, self.starved_s = 0, 0.0, 0.0, 0.0  # read by /metrics
+        self.steps, self.step_s, self.drain_s, self.worker_s, self.starved_s = 0, 0.0, 0.0, 0.0, 0.0  # /metrics
         self.make = Future
 
     def submit(self, ids, nbytes):

@@ -255,6 +255,8 @@ class Metrics:
             "engine_steps": ("Engine steps.", self.loop.steps),
             "engine_step_seconds": ("Seconds in engine steps (the engine busy).", self.loop.step_s),
             "engine_wait_seconds": ("Seconds waiting for the capture's workers between steps.", self.loop.drain_s),
+            "engine_wait_worker_seconds": ("Of engine_wait_seconds: the workers' own seconds answering.",
+                                           self.loop.worker_s),
             "engine_starved_seconds": ("Seconds with nothing in flight, waiting for a request.", self.loop.starved_s),
         }  # fmt: skip
         for name, (what, value) in counters.items():

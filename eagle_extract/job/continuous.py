@@ -66,6 +66,7 @@ class EngineLoop(threading.Thread):
         self._closed = False  # the loop has ended: submit refuses
         self.steps, self.step_s, self.drain_s = 0, 0.0, 0.0  # engine steps, and seconds in them and in drains
         self.idle_s = 0.0  # of drain_s: with the engine empty, its rows' files being written
+        self.worker_s = 0.0  # of drain_s: the slowest writing worker's own seconds in each look
         self.starved_s = 0.0  # with nothing in flight, waiting for a request
         self._inflight: dict[int, _Job] = {}  # by row number: announced, not yet answered
         self._leaders: dict[tuple[int, ...], _Job] = {}  # the job running each prompt in flight
@@ -260,6 +261,7 @@ class EngineLoop(threading.Thread):
         t0 = time.perf_counter()
         got = drain_workers(self.llm, wait, finished, patience, expect)
         self.drain_s += time.perf_counter() - t0
+        self.worker_s += got["worker_s"]
         if got["untrusted"]:
             self._hold = True
         return got

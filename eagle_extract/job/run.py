@@ -373,6 +373,7 @@ def drain_workers(
         "lost": sorted({i for r in reports for i in r["lost"]}),
         "failed": [f for r in reports for f in r.get("failed", ())],  # (row, why, errno): rows that failed alone
         "untrusted": any(r["untrusted"] for r in reports),
+        "worker_s": max((r["worker_s"] for r in reports), default=0.0),
         "stats": reports[0]["stats"] if reports else {},
         # every pipeline stage settles every row: the stage that lost most tells
         "matching": [max((r["stats"].get(k, 0) for r in reports), default=0) for k in MATCH_COUNTS],

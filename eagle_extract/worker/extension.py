@@ -110,7 +110,9 @@ class HiddenStateExtension:
         `finished`, only these rows have, while others still run (the server's continuous batching).
         Without `wait`, `patience` waits up to that long for a row to be written, when none was yet.
         `expect` then announces the next rows, as `eagle_expect` would: the server's loop makes one RPC
-        a step, since each waits for the engine core's step in progress."""
+        a step, since each waits for the engine core's step in progress.  `worker_s`: this call's own
+        seconds here, the part of a look the engine core spends waiting for this worker."""
+        t0 = time.perf_counter()
         if not getattr(self, "_eagle", None):
             return None
         capture, writer = self._eagle
@@ -127,7 +129,8 @@ class HiddenStateExtension:
         untrusted = capture.untrusted
         if expect:
             capture.expect(expect)
-        return {**captured, **report, "redo": redo, "lost": lost, "untrusted": untrusted}
+        worker_s = time.perf_counter() - t0
+        return {**captured, **report, "redo": redo, "lost": lost, "untrusted": untrusted, "worker_s": worker_s}
 
     def eagle_remove(self) -> None:
         if getattr(self, "_eagle", None):
