@@ -301,8 +301,8 @@ def main() -> None:
     )
     for r in results:
         for i, p in enumerate(r["online_passes"]):
-            eng = " / ".join("-" if p.get(k) is None else f"{p[k]:.2f}" for k in
-                             ("engine_step_s", "engine_wait_s", "engine_wait_worker_s", "engine_starved_s"))  # fmt: skip
+            keys = ("engine_step_s", "engine_wait_s", "engine_wait_worker_s", "engine_starved_s")
+            eng = " / ".join("-" if p.get(k) is None else f"{p[k]:.2f}" for k in keys)
             srv = "-" if p.get("server_row_s_mean") is None else f"{p['server_row_s_mean']:.3f}"
             print(
                 f"| {r['spool']} | {i + 1} | {p['rows_s']:.1f} | {eng} of {p['seconds']:.2f} | {srv} "
