@@ -76,6 +76,14 @@ class _Step:
 
 
 @dataclass
+class _Expect:
+    """Rows announced (row index, prompt token ids), queued ahead of the steps that run them: the assembler
+    registers them in order, and the RPC that announced them never waits for a step's matching."""
+
+    rows: list[tuple[int, list[int]]]
+
+
+@dataclass
 class _Settle:
     """Queued behind every step of the rows announced before it: when the assembler reaches it, those
     rows have had all their tokens, so any still waiting will never be matched."""
@@ -131,7 +139,9 @@ class StepCapture:
         self.matcher = RequestMatcher()
         self.stats = CaptureStats()
         self.errors: list[str] = []
-        self.lock = threading.Lock()  # guards matcher and stats (hook thread, assembler, RPC)
+        self.lock = threading.Lock()  # guards matcher and stats (hook thread, assembler, wait=True drain)
+        self._announcing = threading.Lock()  # _unsettled and the queue's order of announcements and settles
+        self._handing = threading.Lock()  # _redo and _lost: an RPC takes them without waiting for the matcher
         self._handles: list = []
         self._order = CALL
         self._ids: torch.Tensor | None = None
@@ -273,6 +283,12 @@ class StepCapture:
             if step is None:
                 self._steps.task_done()
                 return
+            if isinstance(step, _Expect):
+                with self.lock:
+                    for index, token_ids in step.rows:
+                        self.matcher.expect(index, token_ids)
+                self._steps.task_done()
+                continue
             if isinstance(step, _Settle):
                 self._settle(step.rows)
                 self._steps.task_done()
@@ -326,37 +342,40 @@ class StepCapture:
         with self.lock:
             lost, redo = self.matcher.settle(set(rows))
             self._add_redo(redo)
-            self._lost += lost
+            with self._handing:
+                self._lost += lost
             self.stats.settled_rows += len(rows)
             self.stats.unmatched_rows += len(lost)
             if lost and self.stats.first_unmatched_row is None:
                 self.stats.first_unmatched_row = lost[0]
 
     def _add_redo(self, rows: list[int]) -> None:
-        self._redo += rows
+        with self._handing:
+            self._redo += rows
         self.stats.redo_rows += len(rows)
 
     def take_unwritten(self) -> tuple[list[int], list[int]]:
         """(The rows to run again since the last call: an ambiguous run may have given them another
         row's states, so none of theirs was written; the rows settled unmatched since then.)"""
-        with self.lock:
+        with self._handing:
             redo, self._redo = self._redo, []
             lost, self._lost = self._lost, []
             return redo, lost
 
     def expect(self, rows: list[tuple[int, list[int]]]) -> None:
-        with self.lock:
-            for index, token_ids in rows:
-                self.matcher.expect(index, token_ids)
-                self._unsettled.append(index)
+        """Announce rows before the engine runs them: queued ahead of their steps, so the server's look between
+        two steps does not wait while the assembler matches the step before."""
+        with self._announcing:
+            self._unsettled += [index for index, _ in rows]
+            self._steps.put(_Expect(list(rows)))
 
     def settle(self) -> None:
         """Mark that the engine has run every row announced so far (its generate call returned): the
         assembler settles them once it has taken every step queued before this call."""
-        with self.lock:
+        with self._announcing:
             rows, self._unsettled = self._unsettled, []
-        if rows:
-            self._steps.put(_Settle(rows))
+            if rows:
+                self._steps.put(_Settle(rows))
 
     def retire(self, rows: list[int]) -> None:
         """Mark that the engine has finished these rows while others may still run (the server's continuous
@@ -366,13 +385,13 @@ class StepCapture:
 
     @property
     def untrusted(self) -> bool:
-        with self.lock:
-            return self.matcher.untrusted
+        """As the assembler last left it (one flag: read without waiting for the step it is matching)."""
+        return self.matcher.untrusted
 
     def counts(self) -> dict:
-        """The stats as they stand, without waiting for the assembler."""
-        with self.lock:
-            return {**self.stats.as_dict(), **self.budget.stats()}
+        """The stats as they stand, without waiting for the step the assembler is matching (one copy under the
+        GIL; of the counters it is updating, some may already count that step): a look between two steps."""
+        return {**self.stats.as_dict(), **self.budget.stats()}
 
     def drain(self) -> dict:
         """Wait until every captured step is assembled; report stats, pending rows and errors."""
