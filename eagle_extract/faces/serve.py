@@ -29,6 +29,7 @@ from ..errors import ExtractError, engine_errors
 from ..files.spool import Spool, folder_prefix, hold_folder, sweep_dead_servers
 from ..interrupts import interrupted, note_interrupt
 from ..job.continuous import EngineLoop, capture_engine
+from ..job.engine import prefill_note
 from ..job.plan import model_layers
 from ..job.preflight import check_options, check_serve_options, check_weights, load_tokenizer
 from ..job.watch import EngineWatch
@@ -202,7 +203,8 @@ def engine_server(cfg: ExtractConfig, opts: ServeOptions, log, prepared, spool_s
             watch.note = run_log.note
             run_log.say(
                 f"starting the engine: {cfg.model}, slots for layers {aux_ids + [shape.num_layers]}, "
-                f"{per_token:,} bytes a token; spool {folder} (up to {limit / 2**30:.1f} GiB)"
+                f"{per_token:,} bytes a token; spool {folder} (up to {limit / 2**30:.1f} GiB); "
+                f"{prefill_note(cfg.engine_kwargs(), max_model_len, cfg.tp * cfg.pp)}"
                 + (f"; Mooncake master {opts.mooncake.master} (objects up to {objects.limit / 2**30:.1f} GiB)"
                    if objects else "")
             )  # fmt: skip

@@ -222,6 +222,20 @@ def whole_prompts(extra: dict, max_model_len: int | None, world_size: int) -> di
     return {"enable_chunked_prefill": False} if budget and budget >= max_model_len else {}
 
 
+def prefill_note(extra: dict, max_model_len: int, world_size: int) -> str:
+    """How the server's prompts are prefilled, for its start line: whole, or split where a step's budget runs
+    out (a copy of each split prompt's first part, and rows run again where a split makes a run ambiguous)."""
+    if whole_prompts(extra, max_model_len, world_size):
+        return "each prompt prefilled in one step"
+    if any(k in extra for k in USER_CHUNKING):
+        return "prompts prefilled as --engine-arg sets it"
+    budget = extra.get("max_num_batched_tokens") or _default_step_budget(world_size)
+    if not budget:
+        return "prompts prefilled as vLLM's defaults set it"
+    return (f"a prompt may be split over steps of {budget:,} tokens (prompts up to {max_model_len - 1:,}); "
+            f"--seq-length {budget - 1} or --max-num-batched-tokens {max_model_len} prefills each whole")
+
+
 def _default_step_budget(world_size: int) -> int | None:
     """vLLM's default max_num_batched_tokens for `vllm.LLM` on this machine (None where it does not say)."""
     from vllm.engine.arg_utils import EngineArgs
