@@ -104,11 +104,13 @@ def _engine_process_error(log_path) -> tuple[str, str] | None:
     except OSError:
         return None
     tail = tail.rsplit(f" {NOTE}{START}", 1)[-1]
-    lines = (_COLOUR.sub("", line).strip() for line in tail.splitlines())
-    logged = [m.group(1) for line in lines if (m := _LOGGED_ERROR.match(line))]
-    logged = [e for e in logged if not _POINTER.search(e)]
+    lines = [_COLOUR.sub("", line).strip() for line in tail.splitlines()]
+    logged = [(i, m.group(1)) for i, line in enumerate(lines) if (m := _LOGGED_ERROR.match(line))]
+    logged = [(i, e) for i, e in logged if not _POINTER.search(e)]
     if not logged:
         return None
-    if "OutOfMemoryError" in logged[-1] and "convert_to_humming_moe_kernel_format" in tail:
-        return logged[-1].split(" Including non-PyTorch")[0], _HUMMING_OOM  # not torch's allocator advice
-    return logged[-1], ""
+    at, error = logged[-1]
+    start = next((i for i in range(at, -1, -1) if "Traceback (most recent call last)" in lines[i]), at)
+    if "OutOfMemoryError" in error and any("convert_to_humming_moe_kernel_format" in x for x in lines[start:at]):
+        return error.split(" Including non-PyTorch")[0], _HUMMING_OOM  # not torch's allocator advice
+    return error, ""

@@ -99,3 +99,50 @@ def test_rows_the_engine_ran_without_a_match_and_steps_without_token_ids_are_cou
     assert written == [0] and report["pending"] == [] and not report["errors"]
     assert (stats["settled_rows"], stats["unmatched_rows"], stats["first_unmatched_row"]) == (3, 2, 1)
     assert (stats["unmatched_tokens"], stats["dropped_steps"], stats["dropped_tokens"]) == (3, 1, 2)
+
+
+def test_a_look_between_steps_never_waits_for_the_assembler_and_its_rows_still_match():
+    """The server's look between two steps (rows retired, counts, rows to run again, the distrust flag, new rows
+    announced, a settle) must not wait while the assembler matches a step, which holds capture.lock; the rows
+    announced meanwhile are registered before the step that runs them, and an announcement the matcher
+    refuses is reported, not a hung assembler."""
+    import threading
+
+    from eagle_extract.worker.capture import StepCapture
+    from eagle_extract.worker.hostmem import ByteBudget
+    from eagle_extract.worker.model_nav import DecoderStack
+
+    from .common import _ToyLayer
+
+    embed = torch.nn.Embedding(100, 16)
+    blocks = torch.nn.ModuleList(_ToyLayer(16) for _ in range(2))
+    got = []
+    capture = StepCapture(DecoderStack("toy", blocks, blocks, 0, 2, embed), [0], lambda i, rows, ids: got.append(i),
+                          ByteBudget(2**30))  # fmt: skip
+    capture.install()
+    ids = [5, 6, 7, 8]
+    capture.lock.acquire()  # the assembler in the middle of a step's matching
+    looked = threading.Event()
+
+    def look():
+        capture.retire([99])
+        capture.counts(), capture.take_unwritten(), capture.untrusted
+        capture.expect([(0, ids)])
+        looked.set()
+
+    threading.Thread(target=look, daemon=True).start()
+    try:
+        assert looked.wait(10), "the look waited for the matcher's lock"
+    finally:
+        capture.lock.release()
+    with torch.no_grad():
+        h, r, p = embed(torch.tensor(ids)), None, torch.arange(len(ids))
+        for block in blocks:
+            h, r = block(p, h, r)
+    capture.settle()
+    report = capture.drain()
+    assert got == [0] and not report["errors"] and report["stats"]["unmatched_rows"] == 0, report
+    capture.expect([(1, [-1])])  # no token id: the matcher refuses it in the assembler's thread
+    report = capture.drain()  # returns: the assembler went on
+    assert report["errors"] and report["errors"][0].startswith("capture: "), report
+    capture.remove()

@@ -463,7 +463,8 @@ def test_engine_failure_names_the_fix_for_humming_running_out_of_memory_while_lo
         "use. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
     )
     start = f"2026-12-06 06:32:41 eagle-extract: {START}eagle-extract --model kimi\n"
-    humming = f"{error}    convert_to_humming_moe_kernel_format(\n"
+    traceback = f"{error}Traceback (most recent call last):\n"
+    humming = f"{traceback}{error}    convert_to_humming_moe_kernel_format(\n"
     exc = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
     log = tmp_path / "eagle_extract.log"
     log.write_text(start + humming + error + oom + "\n")
@@ -476,3 +477,6 @@ def test_engine_failure_names_the_fix_for_humming_running_out_of_memory_while_lo
     log.write_text(start + error + oom + "\n")  # out of memory elsewhere: torch's whole message, no fix
     said = str(engine_failed(exc, log))
     assert "moe_backend" not in said and "Including non-PyTorch memory" in said
+    retried = "(EngineCore pid=2430) WARNING [core.py:1] retried\n"
+    log.write_text(start + humming + retried + traceback + error + oom + "\n")
+    assert "moe_backend" not in str(engine_failed(exc, log))  # the Humming frames were another traceback's

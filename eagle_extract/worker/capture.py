@@ -283,29 +283,26 @@ class StepCapture:
             if step is None:
                 self._steps.task_done()
                 return
-            if isinstance(step, _Expect):
-                with self.lock:
-                    for index, token_ids in step.rows:
-                        self.matcher.expect(index, token_ids)
-                self._steps.task_done()
-                continue
-            if isinstance(step, _Settle):
-                self._settle(step.rows)
-                self._steps.task_done()
-                continue
-            if isinstance(step, _Retire):
-                with self.lock:
-                    self.matcher.retire(set(step.rows))
-                self._steps.task_done()
-                continue
+            captured = isinstance(step, _Step)
             try:
-                if step.ready is not None:
-                    step.ready.synchronize()
-                self._assemble(step)
-            except Exception as exc:  # reported to the driver by eagle_drain
+                if isinstance(step, _Expect):
+                    with self.lock:
+                        for index, token_ids in step.rows:
+                            self.matcher.expect(index, token_ids)
+                elif isinstance(step, _Settle):
+                    self._settle(step.rows)
+                elif isinstance(step, _Retire):
+                    with self.lock:
+                        self.matcher.retire(set(step.rows))
+                else:
+                    if step.ready is not None:
+                        step.ready.synchronize()
+                    self._assemble(step)
+            except Exception as exc:  # reported to the driver by eagle_drain; the thread goes on, so no drain hangs
                 self.errors.append(f"capture: {type(exc).__name__}: {exc}")
             del step  # its buffer goes back to the budget once its rows are written, not at the next step
-            self.budget.count("steps", -1)
+            if captured:
+                self.budget.count("steps", -1)
             self._steps.task_done()
 
     def _assemble(self, step: _Step) -> None:
