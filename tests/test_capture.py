@@ -142,7 +142,12 @@ def test_a_look_between_steps_never_waits_for_the_assembler_and_its_rows_still_m
     capture.settle()
     report = capture.drain()
     assert got == [0] and not report["errors"] and report["stats"]["unmatched_rows"] == 0, report
-    capture.expect([(1, [-1])])  # no token id: the matcher refuses it in the assembler's thread
-    report = capture.drain()  # returns: the assembler went on
-    assert report["errors"] and report["errors"][0].startswith("capture: "), report
+    capture.expect([(1, [-1]), (2, ids[:2])])  # no token id: the matcher refuses it in the assembler's thread
+    reported = []
+    drain = threading.Thread(target=lambda: reported.append(capture.drain()), daemon=True)
+    drain.start()
+    drain.join(30)
+    assert reported, "the drain hung: the assembler stopped at the refused row"
+    assert reported[0]["errors"][0].startswith("capture: row 1: "), reported
+    assert reported[0]["pending"] == [2], reported  # row 2 registered all the same: it waits for its tokens
     capture.remove()

@@ -286,9 +286,7 @@ class StepCapture:
             captured = isinstance(step, _Step)
             try:
                 if isinstance(step, _Expect):
-                    with self.lock:
-                        for index, token_ids in step.rows:
-                            self.matcher.expect(index, token_ids)
+                    self._register(step.rows)
                 elif isinstance(step, _Settle):
                     self._settle(step.rows)
                 elif isinstance(step, _Retire):
@@ -304,6 +302,15 @@ class StepCapture:
             if captured:
                 self.budget.count("steps", -1)
             self._steps.task_done()
+
+    def _register(self, rows: list[tuple[int, list[int]]]) -> None:
+        """Announced rows into the matcher, each on its own: one it refuses is reported, the others still match."""
+        with self.lock:
+            for index, token_ids in rows:
+                try:
+                    self.matcher.expect(index, token_ids)
+                except Exception as exc:  # reported to the driver by eagle_drain
+                    self.errors.append(f"capture: row {index}: {type(exc).__name__}: {exc}")
 
     def _assemble(self, step: _Step) -> None:
         id_list = step.token_ids.tolist()
