@@ -241,6 +241,23 @@ def test_a_hung_engine_is_stopped_after_the_stall_timeout_and_leaves_no_process(
     assert set(Path(tempfile.gettempdir()).glob("eagle_extract_heartbeat.*")) <= before  # removed
 
 
+def test_a_sigterm_while_the_engine_starts_ends_the_run_at_once_and_leaves_no_process(
+    tmp_path, tiny_llama, mixed_conversations
+):
+    """vLLM's start-up wait takes the KeyboardInterrupt a signal raises for its own and waited on, 10 minutes,
+    for an engine whose handshake it had cut short; the signal now stops the engine's processes instead."""
+    started = time.time()
+    proc = _start(_tiny_args(tiny_llama, mixed_conversations, tmp_path / "o"), tmp_path / "log")
+    _wait_for(lambda: _engine_processes(proc))  # the engine core is starting: the driver waits for it in vLLM
+    proc.send_signal(signal.SIGTERM)  # to the run's process alone, as `kill PID` sends it
+    sent = time.time()
+    _finish(proc, "SIGINT (Ctrl-C) or SIGTERM", timeout=90)
+    assert proc.returncode == 1 and time.time() - sent < 30
+    engines = [p for p in psutil.process_iter(["name", "create_time"])
+               if (p.info["name"] or "").startswith("VLLM::") and p.info["create_time"] >= started - 1]  # fmt: skip
+    assert not _alive(engines)  # its worker too, if it had started
+
+
 WATCHED = """
 import time
 from eagle_extract.job.watch import EngineWatch

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..config import ExtractConfig
 from ..errors import ExtractError
+from ..interrupts import engine_starting
 from ..worker.extension import EXTENSION_CLASS
 
 # Engine arguments eagle-extract owns; users may not override them through --engine-arg.
@@ -261,16 +262,17 @@ def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
 
     extra = {**room_for_capture(extra), **whole_prompts(extra, max_model_len, cfg.tp * cfg.pp), **extra}
     try:
-        return LLM(
-            model=cfg.model,
-            tensor_parallel_size=cfg.tp,
-            pipeline_parallel_size=cfg.pp,
-            dtype=cfg.dtype,
-            max_model_len=max_model_len,
-            trust_remote_code=cfg.trust_remote_code,
-            **FIXED_ARGS,
-            **extra,
-        )
+        with engine_starting():
+            return LLM(
+                model=cfg.model,
+                tensor_parallel_size=cfg.tp,
+                pipeline_parallel_size=cfg.pp,
+                dtype=cfg.dtype,
+                max_model_len=max_model_len,
+                trust_remote_code=cfg.trust_remote_code,
+                **FIXED_ARGS,
+                **extra,
+            )
     finally:  # the engine's processes have them now; the next run in this process sets its own
         for key, value in before.items():
             if value is None:
