@@ -180,12 +180,18 @@ def engine_server(cfg: ExtractConfig, opts: ServeOptions, log, prepared, spool_s
     try:
         if objects:
             objects.connect()  # before the engine: a master that does not answer is one line, now
-        folder, held = _spool_folder(opts, log)
-        limit = int((opts.spool_bytes or shutil.disk_usage(folder).free * SPOOL_SHARE) * spool_share)
-        spool = Spool(folder, limit, opts.spool_ttl)
         dtype = shape.dtype if cfg.dtype == "auto" else cfg.dtype
         width = 1 if cfg.fp8 else (4 if dtype in ("float32", "float") else 2)
         per_token = (len(aux_ids) + 1) * shape.hidden_size * width + 8 + (4 if cfg.fp8 else 0)
+        if opts.spool_bytes and opts.spool_bytes * spool_share < per_token:  # every request would get 413
+            split = f" split among {round(1 / spool_share)} replicas" if spool_share < 1 else ""
+            raise ExtractError(
+                f"--spool-bytes {opts.spool_bytes:g}{split} holds no row: one token's states take {per_token:,} bytes "
+                f"here, a 1,024-token row {1024 * per_token:,}; pass a larger --spool-bytes"
+            )
+        folder, held = _spool_folder(opts, log)
+        limit = int((opts.spool_bytes or shutil.disk_usage(folder).free * SPOOL_SHARE) * spool_share)
+        spool = Spool(folder, limit, opts.spool_ttl)
         name = opts.served_model_name or cfg.model
         if opts.whole_context and shape.context:  # up to SERVE_LENGTH: a 1M-token context's KV cache may not fit
             cfg = replace(cfg, seq_length=min(shape.context - 1, SERVE_LENGTH))
