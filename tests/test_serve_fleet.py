@@ -4,6 +4,7 @@ count, and the engine's guard.  (With an engine: tests/test_serve.py, and tests/
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 
@@ -74,6 +75,26 @@ def test_a_row_larger_than_the_spool_or_its_filesystem_is_refused_and_room_is_co
     spool.close()  # the server stops: whoever still waits gives up
     with pytest.raises(RequestError):
         spool.reserve(2_000, threading.Event())
+
+
+def test_rows_in_flight_count_against_the_spools_filesystem_when_it_holds_less_than_the_bound(small_disk):
+    """A --spool-bytes larger than its filesystem: concurrent rows wait for room there instead of each passing
+    the free-space check and then failing to be written (507)."""
+    from eagle_extract.errors import RequestError
+    from eagle_extract.files.spool import Spool
+
+    spool = Spool(small_disk, limit=1 << 40, ttl=60)
+    row = shutil.disk_usage(small_disk).free * 2 // 5
+    for _ in range(2):
+        spool.admit(row, threading.Event())
+    given_up = threading.Event()
+    threading.Timer(0.3, given_up.set).start()
+    with pytest.raises(RequestError) as err:
+        spool.admit(row, given_up)  # a third would not fit on the disk: it waits (here until its client goes)
+    assert err.value.status == 503 and spool.used() == 2 * row
+    spool.release(row)  # a row in flight is answered or fails: room again
+    spool.admit(row, threading.Event())
+    assert spool.used() == 2 * row
 
 
 PARENT = """

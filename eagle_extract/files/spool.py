@@ -66,6 +66,11 @@ class Spool:
             )
         self.reserve(nbytes, give_up)
 
+    def _room(self) -> int:
+        """What our files and rows in flight may take: the bound, or less where the filesystem has less (rows in
+        flight are not on the disk yet, so its free space alone would let concurrent rows overfill it)."""
+        return min(self.limit, shutil.disk_usage(self.root).free + self._file_bytes)
+
     def reserve(self, nbytes: int, give_up: threading.Event) -> None:
         """Wait for room, in the order the requests came (small rows must not starve a long one); raises a
         503 when `give_up` is set meanwhile (the client went away, or the server is stopping)."""
@@ -73,7 +78,7 @@ class Spool:
         with self._cond:
             self._waiting.append(ticket)
             try:
-                while self._waiting[0] is not ticket or self._bytes and self._bytes + nbytes > self.limit:
+                while self._waiting[0] is not ticket or self._bytes and self._bytes + nbytes > self._room():
                     if give_up.is_set() or self._closed:
                         raise RequestError("the server is stopping, or the request was abandoned", status=503)
                     self._cond.wait(0.5)
