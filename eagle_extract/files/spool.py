@@ -25,8 +25,9 @@ NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # a filesystem mounte
 class Spool:
     """Our folder in the spool: state files the trainer collects (and deletes).  `reserve` waits while
     the files written and the rows in flight would pass `limit` bytes, or the filesystem's room for them; a file
-    and its links (identical prompts) are one group, counted once.  `sweep` (the server's janitor; `waiting` at shutdown) sees which files the
-    trainer took and removes those uncollected after `ttl` seconds; `clear` removes every file of ours."""
+    and its links (identical prompts) are one group, counted once.  `sweep` (the server's janitor; `waiting` at
+    shutdown) sees which files the trainer took and removes those uncollected after `ttl` seconds; `clear`
+    removes every file of ours."""
 
     def __init__(self, root: Path, limit: int, ttl: float) -> None:
         self.root, self.limit, self.ttl = root, limit, ttl
