@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -253,9 +254,42 @@ def test_a_sigterm_while_the_engine_starts_ends_the_run_at_once_and_leaves_no_pr
     sent = time.time()
     _finish(proc, "SIGINT (Ctrl-C) or SIGTERM", timeout=90)
     assert proc.returncode == 1 and time.time() - sent < 30
-    engines = [p for p in psutil.process_iter(["name", "create_time"])
-               if (p.info["name"] or "").startswith("VLLM::") and p.info["create_time"] >= started - 1]  # fmt: skip
-    assert not _alive(engines)  # its worker too, if it had started
+    def the_runs(p):  # the run's session: the run started it, and vLLM's processes stay in it
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            return os.getsid(p.pid) == proc.pid and p.create_time() >= started - 1
+        return False
+
+    assert not _alive([p for p in psutil.process_iter() if the_runs(p)])  # its engine core, and worker if any
+
+
+STARTING = """
+import os, signal, subprocess, sys, time
+from eagle_extract.interrupts import stop_on_signals
+from eagle_extract.job.engine import _signals_stop_the_start
+stop_on_signals()
+sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+kept = subprocess.Popen([*sleep, "VLLM::before"])  # running before the start: not this engine's
+try:
+    with _signals_stop_the_start():
+        os.kill(os.getpid(), signal.SIGTERM)  # before the engine has a process
+        time.sleep(0.3)
+        other = subprocess.Popen(sleep)  # a new process that is not the engine's (a tokenizer's)
+        engine = subprocess.Popen([*sleep, "VLLM::EngineCore"])
+        engine.wait(timeout=20)
+        print("engine", engine.returncode, flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+print("kept", kept.poll(), "other", other.poll(), "handler", signal.getsignal(signal.SIGTERM).__name__, flush=True)
+kept.kill()
+other.kill()
+"""
+
+
+def test_a_signal_while_the_engine_starts_stops_its_processes_alone_and_is_the_interrupt():
+    """No engine: processes titled as vLLM's, one started before the start, one after the signal."""
+    proc = subprocess.run([sys.executable, "-c", STARTING], capture_output=True, text=True, timeout=60)
+    said = proc.stdout.splitlines()
+    assert said == ["engine -9", "interrupted", "kept None other None handler _interrupt"], (said, proc.stderr)
 
 
 WATCHED = """

@@ -66,11 +66,25 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def token_bytes(cfg: ExtractConfig, shape, aux_ids: list[int]) -> int:
+    """A row file's bytes per token: every slot's states and the token's id (and FP8's scales)."""
+    dtype = shape.dtype if cfg.dtype == "auto" else cfg.dtype
+    width = 1 if cfg.fp8 else (4 if dtype in ("float32", "float") else 2)
+    return (len(aux_ids) + 1) * shape.hidden_size * width + 8 + (4 if cfg.fp8 else 0)
+
+
 def prepare(cfg: ExtractConfig, opts: ServeOptions, log=print):
     """The checks made before any engine starts, and what every engine of the server needs from them."""
     check_options(cfg)
     check_serve_options(cfg, opts)
     shape, aux_ids = model_layers(cfg)
+    per_token = token_bytes(cfg, shape, aux_ids)
+    if opts.spool_bytes and opts.spool_bytes / opts.replicas < per_token:  # every request would get 413
+        split = f" split among {opts.replicas} replicas" if opts.replicas > 1 else ""
+        raise ExtractError(
+            f"--spool-bytes {opts.spool_bytes:g}{split} holds no row: one token's states take {per_token:,} bytes "
+            f"here, a 1,024-token row {1024 * per_token:,}; pass a larger --spool-bytes"
+        )
     check_weights(cfg)
     tokenizer = load_tokenizer(cfg)
     try:
@@ -180,15 +194,7 @@ def engine_server(cfg: ExtractConfig, opts: ServeOptions, log, prepared, spool_s
     try:
         if objects:
             objects.connect()  # before the engine: a master that does not answer is one line, now
-        dtype = shape.dtype if cfg.dtype == "auto" else cfg.dtype
-        width = 1 if cfg.fp8 else (4 if dtype in ("float32", "float") else 2)
-        per_token = (len(aux_ids) + 1) * shape.hidden_size * width + 8 + (4 if cfg.fp8 else 0)
-        if opts.spool_bytes and opts.spool_bytes * spool_share < per_token:  # every request would get 413
-            split = f" split among {round(1 / spool_share)} replicas" if spool_share < 1 else ""
-            raise ExtractError(
-                f"--spool-bytes {opts.spool_bytes:g}{split} holds no row: one token's states take {per_token:,} bytes "
-                f"here, a 1,024-token row {1024 * per_token:,}; pass a larger --spool-bytes"
-            )
+        per_token = token_bytes(cfg, shape, aux_ids)
         folder, held = _spool_folder(opts, log)
         limit = int((opts.spool_bytes or shutil.disk_usage(folder).free * SPOOL_SHARE) * spool_share)
         spool = Spool(folder, limit, opts.spool_ttl)

@@ -70,7 +70,10 @@ class Spool:
     def _room(self) -> int:
         """What our files and rows in flight may take: the bound, or less where the filesystem has less (rows in
         flight are not on the disk yet, so its free space alone would let concurrent rows overfill it)."""
-        return min(self.limit, shutil.disk_usage(self.root).free + self._file_bytes)
+        try:
+            return min(self.limit, shutil.disk_usage(self.root).free + self._file_bytes)
+        except OSError:  # a filesystem that fails one look (ESTALE, EIO): the bound, until the next look
+            return self.limit
 
     def reserve(self, nbytes: int, give_up: threading.Event) -> None:
         """Wait for room, in the order the requests came (small rows must not starve a long one); raises a

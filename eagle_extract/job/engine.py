@@ -6,13 +6,16 @@ variables documented for vLLM's CPU and GPU back ends.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import signal
+import threading
 from pathlib import Path
 
 from ..config import ExtractConfig
 from ..errors import ExtractError
-from ..interrupts import engine_starting
+from ..interrupts import handles_signals, interrupted, note_interrupt
 from ..worker.extension import EXTENSION_CLASS
 
 # Engine arguments eagle-extract owns; users may not override them through --engine-arg.
@@ -249,6 +252,54 @@ def _default_step_budget(world_size: int) -> int | None:
         return None
 
 
+@contextlib.contextmanager
+def _signals_stop_the_start():
+    """While vLLM starts its engine, Ctrl-C or SIGTERM stops the engine's processes rather than raising.
+
+    vLLM's start-up wait takes the KeyboardInterrupt for a socket's and goes on waiting: the signal was lost, or
+    the wait lasted 10 minutes on a handshake it cut.  An engine whose processes are gone ends the wait at once,
+    with the failure `errors.engine_errors` reports as the interrupt.  Only where eagle-extract handles signals
+    (the CLI); the engine's processes only, new ones and by their titles, as `EngineWatch` finds them."""
+    if not handles_signals() or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    import psutil
+
+    from .guard import stop_tree
+    from .watch import ENGINE_NAMES, RAY_TITLE
+
+    this = psutil.Process()
+    before = {p.pid for p in this.children(recursive=True)}
+    done = threading.Event()
+
+    def stop_engine() -> None:  # until the start returns: a process may get its title only after the signal
+        while not done.wait(0.1):
+            engine = {}
+            for proc in this.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    title = " ".join([proc.name(), *proc.cmdline()])
+                    if proc.pid not in before and any(n in title for n in (*ENGINE_NAMES, RAY_TITLE)):
+                        engine[proc.pid] = proc
+            stop_tree(engine)
+
+    stopper = threading.Thread(target=stop_engine, daemon=True, name="eagle-stop-engine")
+
+    def on_signal(signum, frame):
+        note_interrupt()
+        if stopper.ident is None:  # a second signal: it runs already
+            stopper.start()
+
+    saved = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        done.set()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    if interrupted():  # the signal came as the engine became ready: stop now, as it would have later
+        raise KeyboardInterrupt
+
+
 def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
     """vllm.LLM for `cfg`: the options that are engine arguments, --engine-arg, and FIXED_ARGS."""
     extra = cfg.engine_kwargs()  # checked by preflight.check_options
@@ -262,7 +313,7 @@ def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
 
     extra = {**room_for_capture(extra), **whole_prompts(extra, max_model_len, cfg.tp * cfg.pp), **extra}
     try:
-        with engine_starting():
+        with _signals_stop_the_start():
             return LLM(
                 model=cfg.model,
                 tensor_parallel_size=cfg.tp,

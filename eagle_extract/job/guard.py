@@ -40,7 +40,7 @@ def _descendants(parent, ignored: dict[int, float | None]) -> dict[int, object]:
     return {p.pid: p for p in children if p.pid not in ignored or _started(p) != ignored[p.pid]}
 
 
-def _stop(noted: dict[int, object]) -> None:
+def stop_tree(noted: dict[int, object]) -> None:
     """SIGSTOP what was noted and still is the same process (a pid may be reused), then their children, until
     no new one appears; then SIGKILL them all."""
     import psutil
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> None:
         noted.update(_descendants(parent, ignored))
         if not parent.is_running():
             break
-    _stop(noted)
+    stop_tree(noted)
 
 
 if __name__ == "__main__":
