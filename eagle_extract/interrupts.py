@@ -29,7 +29,6 @@ def interrupted() -> bool:
     return _received.is_set()
 
 
-
 def handles_signals() -> bool:
     """Whether this process stops on signals as `stop_on_signals` set it up (the CLI), not as a caller of ours."""
     return signal.getsignal(signal.SIGTERM) is _interrupt

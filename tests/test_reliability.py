@@ -259,7 +259,9 @@ def test_a_sigterm_while_the_engine_starts_ends_the_run_at_once_and_leaves_no_pr
             return os.getsid(p.pid) == proc.pid and p.create_time() >= started - 1
         return False
 
-    assert not _alive([p for p in psutil.process_iter() if the_runs(p)])  # its engine core, and worker if any
+    left = [p for p in psutil.process_iter() if the_runs(p)]
+    psutil.wait_procs(left, timeout=10)  # helpers such as multiprocessing's resource tracker end a moment later
+    assert not _alive(left)  # its engine core, and worker if any
 
 
 STARTING = """
@@ -267,21 +269,26 @@ import os, signal, subprocess, sys, time
 from eagle_extract.interrupts import stop_on_signals
 from eagle_extract.job.engine import _signals_stop_the_start
 stop_on_signals()
-sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-kept = subprocess.Popen([*sleep, "VLLM::before"])  # running before the start: not this engine's
+def titled(title):  # a process named `title` (its first 15 bytes), as vLLM's setproctitle names its own
+    return subprocess.Popen([sys.executable, "-c", "import sys, time; open('/proc/self/comm', 'w').write(sys.argv[1])"
+                             "; time.sleep(60)", title])
+kept = titled("VLLM::before")  # running before the start: not this engine's
+started = [kept]
 try:
     with _signals_stop_the_start():
         os.kill(os.getpid(), signal.SIGTERM)  # before the engine has a process
         time.sleep(0.3)
-        other = subprocess.Popen(sleep)  # a new process that is not the engine's (a tokenizer's)
-        engine = subprocess.Popen([*sleep, "VLLM::EngineCore"])
-        engine.wait(timeout=20)
-        print("engine", engine.returncode, flush=True)
+        started.append(titled("tokenizer"))  # a new process that is not the engine's
+        started.append(titled("VLLM::EngineCore"))
+        started[-1].wait(timeout=20)
+        print("engine", started[-1].returncode, flush=True)
 except KeyboardInterrupt:
     print("interrupted", flush=True)
-print("kept", kept.poll(), "other", other.poll(), "handler", signal.getsignal(signal.SIGTERM).__name__, flush=True)
-kept.kill()
-other.kill()
+finally:
+    said = [p.poll() for p in started[:2]]
+    for p in started:
+        p.kill()
+print("kept", said[0], "other", said[1], "handler", signal.getsignal(signal.SIGTERM).__name__, flush=True)
 """
 
 

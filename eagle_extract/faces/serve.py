@@ -82,7 +82,7 @@ def prepare(cfg: ExtractConfig, opts: ServeOptions, log=print):
     if opts.spool_bytes and opts.spool_bytes / opts.replicas < per_token:  # every request would get 413
         split = f" split among {opts.replicas} replicas" if opts.replicas > 1 else ""
         raise ExtractError(
-            f"--spool-bytes {opts.spool_bytes:g}{split} holds no row: one token's states take {per_token:,} bytes "
+            f"--spool-bytes {opts.spool_bytes:,.0f}{split} holds no row: one token's states take {per_token:,} bytes "
             f"here, a 1,024-token row {1024 * per_token:,}; pass a larger --spool-bytes"
         )
     check_weights(cfg)

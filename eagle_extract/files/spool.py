@@ -69,9 +69,11 @@ class Spool:
 
     def _room(self) -> int:
         """What our files and rows in flight may take: the bound, or less where the filesystem has less (rows in
-        flight are not on the disk yet, so its free space alone would let concurrent rows overfill it)."""
+        flight are not on the disk yet, so its free space alone would let concurrent rows overfill it).  Looked
+        at outside the lock: a slow filesystem holds up the request that looks, not the server."""
+        ours = self._file_bytes  # read before the look: a file written between them errs low, counted in neither
         try:
-            return min(self.limit, shutil.disk_usage(self.root).free + self._file_bytes)
+            return min(self.limit, shutil.disk_usage(self.root).free + ours)
         except OSError:  # a filesystem that fails one look (ESTALE, EIO): the bound, until the next look
             return self.limit
 
@@ -81,15 +83,20 @@ class Spool:
         ticket = object()
         with self._cond:
             self._waiting.append(ticket)
-            try:
-                while self._waiting[0] is not ticket or self._bytes and self._bytes + nbytes > self._room():
+        try:
+            while True:
+                room = self._room()
+                with self._cond:
+                    if self._waiting[0] is ticket and not (self._bytes and self._bytes + nbytes > room):
+                        self._bytes += nbytes
+                        return
                     if give_up.is_set() or self._closed:
                         raise RequestError("the server is stopping, or the request was abandoned", status=503)
                     self._cond.wait(0.5)
-            finally:
+        finally:
+            with self._cond:
                 self._waiting.remove(ticket)
                 self._cond.notify_all()
-            self._bytes += nbytes
 
     def written(self, paths: list[Path], reserved: int) -> None:
         """`paths[0]` is written and the rest are links to it, in place of `reserved` bytes held for them all:

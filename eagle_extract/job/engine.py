@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..config import ExtractConfig
 from ..errors import ExtractError
-from ..interrupts import handles_signals, interrupted, note_interrupt
+from ..interrupts import handles_signals, note_interrupt
 from ..worker.extension import EXTENSION_CLASS
 
 # Engine arguments eagle-extract owns; users may not override them through --engine-arg.
@@ -258,8 +258,9 @@ def _signals_stop_the_start():
 
     vLLM's start-up wait takes the KeyboardInterrupt for a socket's and goes on waiting: the signal was lost, or
     the wait lasted 10 minutes on a handshake it cut.  An engine whose processes are gone ends the wait at once,
-    with the failure `errors.engine_errors` reports as the interrupt.  Only where eagle-extract handles signals
-    (the CLI); the engine's processes only, new ones and by their titles, as `EngineWatch` finds them."""
+    with the failure `errors.engine_errors` reports as the interrupt; a second signal raises, for a start that
+    hangs before the engine has a process.  Only where eagle-extract handles signals (the CLI); the engine's
+    processes only: new ones, by the titles vLLM and Ray give them (`EngineWatch` finds them so)."""
     if not handles_signals() or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -270,33 +271,37 @@ def _signals_stop_the_start():
 
     this = psutil.Process()
     before = {p.pid for p in this.children(recursive=True)}
-    done = threading.Event()
+    signalled, done = threading.Event(), threading.Event()
 
-    def stop_engine() -> None:  # until the start returns: a process may get its title only after the signal
-        while not done.wait(0.1):
+    def stop_engine() -> None:  # until the start returns: a process may take its title only after the signal
+        while not done.is_set():
+            if not signalled.wait(0.1):
+                continue
             engine = {}
             for proc in this.children(recursive=True):
                 with contextlib.suppress(psutil.Error):
-                    title = " ".join([proc.name(), *proc.cmdline()])
-                    if proc.pid not in before and any(n in title for n in (*ENGINE_NAMES, RAY_TITLE)):
+                    if proc.pid not in before and any(n in proc.name() for n in (*ENGINE_NAMES, RAY_TITLE)):
                         engine[proc.pid] = proc
             stop_tree(engine)
-
-    stopper = threading.Thread(target=stop_engine, daemon=True, name="eagle-stop-engine")
+            done.wait(0.1)
 
     def on_signal(signum, frame):
         note_interrupt()
-        if stopper.ident is None:  # a second signal: it runs already
-            stopper.start()
+        if signalled.is_set():
+            raise KeyboardInterrupt
+        signalled.set()
 
+    stopper = threading.Thread(target=stop_engine, daemon=True, name="eagle-stop-engine")
+    stopper.start()
     saved = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
         done.set()
+        stopper.join(5)  # not left between freezing processes and killing them
         for sig, handler in saved.items():
             signal.signal(sig, handler)
-    if interrupted():  # the signal came as the engine became ready: stop now, as it would have later
+    if signalled.is_set():  # the signal came as the engine became ready: stop now, as it would have later
         raise KeyboardInterrupt
 
 
