@@ -274,16 +274,14 @@ def _signals_stop_the_start():
     signalled, done = threading.Event(), threading.Event()
 
     def stop_engine() -> None:  # until the start returns: a process may take its title only after the signal
-        while not done.is_set():
-            if not signalled.wait(0.1):
-                continue
-            engine = {}
-            for proc in this.children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    if proc.pid not in before and any(n in proc.name() for n in (*ENGINE_NAMES, RAY_TITLE)):
-                        engine[proc.pid] = proc
-            stop_tree(engine)
-            done.wait(0.1)
+        while not done.wait(0.1):
+            if signalled.is_set():
+                engine = {}
+                for proc in this.children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        if proc.pid not in before and any(n in proc.name() for n in (*ENGINE_NAMES, RAY_TITLE)):
+                            engine[proc.pid] = proc
+                stop_tree(engine)
 
     def on_signal(signum, frame):
         note_interrupt()
