@@ -33,6 +33,28 @@ def test_the_api_key_is_checked_with_any_case_of_the_scheme():
         assert status == 200 or got.json()["error"]["code"] == 401
 
 
+def test_sampling_options_are_checked_for_their_type_and_numbers_equal_to_the_allowed_ones_pass():
+    """No text is generated, so these options change nothing; a value vLLM's server would refuse is refused."""
+    import json
+
+    from eagle_extract.errors import RequestError
+    from eagle_extract.faces.requests import Requests
+
+    requests = Requests("m", None, 100, 8, 1000, None)
+    for fine in [{"n": 1.0}, {"best_of": 1}, {"top_logprobs": 0.0}, {"max_tokens": 1.0}, {"max_tokens": None},
+                 {"temperature": 0}, {"top_p": 0.9}, {"seed": 7}, {"max_completion_tokens": 1}]:  # fmt: skip
+        assert requests.parse(json.dumps(fine).encode()) == fine
+    for bad, param, said in [({"max_tokens": "1"}, "max_tokens", 'give an integer, not "1"'),
+                             ({"max_tokens": 1.5}, "max_tokens", "give an integer, not 1.5"),
+                             ({"seed": True}, "seed", "give an integer, not true"),
+                             ({"temperature": "hot"}, "temperature", 'give a number, not "hot"'),
+                             ({"top_p": [1]}, "top_p", "give a number, not [1]"),
+                             ({"n": True}, "n", "leave n out"), ({"n": 2.0}, "n", "leave n out")]:  # fmt: skip
+        with pytest.raises(RequestError) as refused:
+            requests.parse(json.dumps(bad).encode())
+        assert refused.value.param == param and str(refused.value).endswith(said), (bad, str(refused.value))
+
+
 def test_a_row_larger_than_the_spool_or_its_filesystem_is_refused_and_room_is_counted_once(tmp_path):
     """No engine: the spool's own bound and count."""
     from eagle_extract.errors import RequestError

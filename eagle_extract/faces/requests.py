@@ -18,6 +18,23 @@ UNHONOURED = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None,), "logit_bias": (None, {}),
 }  # fmt: skip
+# Sampling options change nothing here (no text is generated), but a value of the wrong type is refused as vLLM does
+NUMBERS = {"max_tokens": int, "max_completion_tokens": int, "min_tokens": int, "top_k": int, "seed": int,
+           "temperature": float, "top_p": float, "min_p": float, "frequency_penalty": float,
+           "presence_penalty": float, "repetition_penalty": float}  # fmt: skip
+
+
+def _number(value, kind: type) -> bool:
+    """A JSON number of the kind (an integer may be written 1.0, as pydantic allows), or null."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return True
+    return isinstance(value, float) and (kind is float or value.is_integer())
+
+
+def _same(value, fine) -> bool:
+    if type(fine) is int and value is not None and _number(value, int):
+        return value == fine  # n: 1.0 is n: 1
+    return value == fine and type(value) is type(fine)
 
 
 class Requests:
@@ -47,8 +64,12 @@ class Requests:
             if body.get(name) is not None and not isinstance(body[name], bool):
                 raise RequestError(f"{name}: give true or false (a JSON boolean), not {json.dumps(body[name])}",
                                    param=name)  # fmt: skip
+        for name, kind in NUMBERS.items():
+            if not _number(body.get(name), kind):
+                what = "an integer" if kind is int else "a number"
+                raise RequestError(f"{name}: give {what}, not {json.dumps(body[name])}", param=name)
         for name, fine in UNHONOURED.items():
-            if name in body and not any(body[name] == value and type(body[name]) is type(value) for value in fine):
+            if name in body and not any(_same(body[name], value) for value in fine):
                 raise RequestError(
                     f"{name}: this server only captures the prompt's hidden states (no text is generated, one answer "
                     f"a request, no stream, no log-probabilities); leave {name} out",
@@ -127,4 +148,3 @@ class Requests:
                 param=param,
             )
         return ids
-
