@@ -178,13 +178,22 @@ def test_an_uncollected_object_is_removed_and_a_full_store_makes_requests_wait(m
     got, answer = s.post("/completions", {"model": s.model, "prompt": [8] * 1500})
     waited = time.monotonic() - t0
     assert got == 200 and waited > TTL_S / 2, (got, answer, waited)  # it waited for the orphans, not failed
+    from hs_connectors.mooncake_store import MooncakeIntegrityError
+
     reader = _transfer(master)
     reader.setup()
-    for orphan in orphans:
-        with pytest.raises(TimeoutError):
-            reader.store.get_sample(orphan, timeout=1)
+    for orphan in orphans:  # a trainer that comes late is told so at once (the marker), not after its timeout
+        t0 = time.monotonic()
+        with pytest.raises(MooncakeIntegrityError, match=r"removed this row uncollected 8 s after .*--spool-ttl"):
+            reader.store.get_sample(orphan, timeout=60)
+        assert time.monotonic() - t0 < 10
     assert reader.get_generated(answer["kv_transfer_params"])["token_ids"].tolist() == [8] * 1500
     reader.delete(answer["kv_transfer_params"]["handle"])
+    markers = [orphan["handle"] + ":error" for orphan in orphans]
+    deadline = time.monotonic() + 2 * TTL_S  # the markers go a TTL after they came
+    while any(reader.store._require_store().is_exist(m) == 1 for m in markers) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert all(reader.store._require_store().is_exist(m) == 0 for m in markers)
 
 
 def test_a_stopped_master_is_a_503_with_one_line_and_a_restarted_one_serves_again(

@@ -5,8 +5,10 @@ store (TCP or RDMA), so speculators' trainer on another node reads them with its
 The object holds the row's `hidden_states` [T, K, H] and `token_ids` [T], each at a 64-byte-aligned offset; the
 answer's `kv_transfer_params` is the version-1 manifest (handle, shapes, dtypes, offsets) the reader unpacks it
 with, and the reader removes the object.  The answer goes out only once the object is in the store, so the reader
-never waits for it and no `{handle}:error` marker is needed: a row that cannot be stored is answered 503, and the
-trainer's client asks again.
+never waits for it: a row that cannot be stored is answered 503, and the trainer's client asks again.  An object
+removed uncollected after the spool's TTL leaves a `{handle}:error` marker for the TTL again, which hs-connectors'
+reader looks for first: a trainer that comes late fails at once and asks again, instead of waiting its 120 s for
+an object that is gone.
 
 The row's file in the spool, written by the capture as for the file transfer, is read into a buffer registered
 with Mooncake and put from there, then removed.  Our objects are bounded in bytes: a row waits for room while the
@@ -76,6 +78,7 @@ class MooncakeObjects:
         self.expired = 0
         self._numbers = itertools.count()
         self._objects: dict[str, tuple[int, float]] = {}  # put, not yet seen gone: bytes, time put
+        self._markers: dict[str, float] = {}  # `{handle}:error` of the objects removed uncollected: time put
         self._bytes = 0  # of those objects and of the rows being put
         self._waiting: list[object] = []
         self._cond = threading.Condition()
@@ -203,17 +206,27 @@ class MooncakeObjects:
                 continue
 
     def sweep(self) -> None:
-        """Forget the objects the trainer removed (or a restarted master lost); remove those older than `ttl`."""
+        """Forget the objects the trainer removed (or a restarted master lost); remove those older than `ttl`,
+        each leaving an error marker for a trainer that comes late, and the markers older than `ttl`."""
+        now = time.monotonic()
+        for marker, at in list(self._markers.items()):
+            if now - at > self.ttl:
+                self._store.remove(marker, force=True)  # or the late trainer removed it, with its object's name
+                del self._markers[marker]
         with self._cond:
             objects = list(self._objects.items())
         if not objects:
             return
         there = self._store.batch_is_exist([key for key, _ in objects])
-        now, gone = time.monotonic(), []
+        gone = []
         for (key, (_, at)), found in zip(objects, there):
             if found == 1 and now - at > self.ttl and self._store.remove(key, force=True) == 0:
                 self.expired += 1
                 gone.append(key)
+                why = (f"eagle-extract removed this row uncollected {self.ttl:g} s after it was answered "
+                       "(--spool-ttl); ask for it again")  # fmt: skip
+                if self._store.put(f"{key}:error", json.dumps({"error": why}).encode()) == 0:
+                    self._markers[f"{key}:error"] = now
             elif found == 0:
                 gone.append(key)
         with self._cond:
