@@ -122,8 +122,8 @@ def _spool_folder(opts: ServeOptions, log) -> tuple[Path, int | None]:
         root.mkdir(parents=True, exist_ok=True)
         folders, freed = sweep_dead_servers(root)
         if folders:
-            log(f"removed {freed / 2**20:,.1f} MiB of rows that {folders} servers which did not stop cleanly left "
-                f"in {root}")  # fmt: skip
+            log(f"removed {freed / 2**20:,.1f} MiB of rows that {folders} server{'s' * (folders > 1)} which did not "
+                f"stop cleanly left in {root}")  # fmt: skip
         folder = Path(tempfile.mkdtemp(prefix=folder_prefix(), dir=root)).resolve()
         umask = os.umask(0o022)
         os.umask(umask)
@@ -215,9 +215,9 @@ def engine_server(cfg: ExtractConfig, opts: ServeOptions, log, prepared, spool_s
             watch.note = run_log.note
             run_log.say(
                 f"starting the engine: {cfg.model}, slots for layers {aux_ids + [shape.num_layers]}, "
-                f"{per_token:,} bytes a token; spool {folder} (up to {limit / 2**30:.1f} GiB); "
+                f"{per_token:,} bytes a token; spool {folder} (up to {_size(limit)}); "
                 f"{prefill_note(cfg.engine_kwargs(), max_model_len, cfg.tp * cfg.pp)}"
-                + (f"; Mooncake master {opts.mooncake.master} (objects up to {objects.limit / 2**30:.1f} GiB)"
+                + (f"; Mooncake master {opts.mooncake.master} (objects up to {_size(objects.limit)})"
                    if objects else "")
             )  # fmt: skip
             try:
@@ -321,3 +321,7 @@ def _serve_http(core: Core, http: _Server, where: str, sock) -> int:
     core.run_log.say("stopping: the requests in flight are answered")
     core.collected(COLLECT_S)
     return 1 if loop.failed else 0
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
