@@ -55,6 +55,26 @@ def test_sampling_options_are_checked_for_their_type_and_numbers_equal_to_the_al
         assert refused.value.param == param and str(refused.value).endswith(said), (bad, str(refused.value))
 
 
+def test_text_no_tokenizer_encodes_is_refused_naming_its_field(smollm2):
+    """A lone surrogate (valid JSON, no Unicode character), and whatever the chat template raises, name the field."""
+    from transformers import AutoTokenizer
+
+    from eagle_extract.errors import RequestError
+    from eagle_extract.faces.requests import Requests
+
+    requests = Requests("m", AutoTokenizer.from_pretrained(smollm2), 100, 8, 49152, None)
+    cases = [(b'{"prompt": "ab\\ud800"}', False, "prompt",
+              "prompt: the text holds a lone surrogate (U+D800 at character 2)"),
+             (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', True, "messages",
+              "messages: the text holds a lone surrogate (U+DFFF at character 0)"),
+             (b'{"messages": [{"content": "hi"}]}', True, "messages",
+              "messages: the chat template refused them")]  # fmt: skip
+    for raw, chat, param, said in cases:
+        with pytest.raises(RequestError) as refused:
+            requests.tokens(requests.parse(raw), chat)
+        assert refused.value.param == param and str(refused.value).startswith(said), str(refused.value)
+
+
 def test_a_row_larger_than_the_spool_or_its_filesystem_is_refused_and_room_is_counted_once(tmp_path):
     """No engine: the spool's own bound and count."""
     from eagle_extract.errors import RequestError

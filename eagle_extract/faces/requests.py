@@ -37,6 +37,18 @@ def _same(value, fine) -> bool:
     return value == fine and type(value) is type(fine)
 
 
+def _encodable(text: str, param: str) -> None:
+    """JSON may carry a lone UTF-16 surrogate (`"\\ud800"`), which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(
+            f"{param}: the text holds a lone surrogate (U+{ord(text[exc.start]):04X} at character {exc.start}), "
+            "which is no Unicode character; send it paired, or leave it out",
+            param=param,
+        ) from None
+
+
 class Requests:
     """Checks a request body and turns it into prompt token ids, as the engine will be given them."""
 
@@ -85,7 +97,9 @@ class Requests:
             raise
         except (TypeError, ValueError, UnicodeError, RecursionError) as exc:
             said = (str(exc).splitlines() or [""])[0][:200]
-            raise RequestError(f"the tokenizer cannot encode the prompt ({type(exc).__name__}: {said})") from None
+            param = "messages" if chat else "prompt"
+            raise RequestError(f"{param}: the tokenizer cannot encode it ({type(exc).__name__}: {said})",
+                               param=param) from None  # fmt: skip
 
     def model(self, body: dict) -> None:
         model = body.get("model")
@@ -97,6 +111,7 @@ class Requests:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
+            _encodable(prompt, "prompt")
             special = body.get("add_special_tokens", True) is not False
             ids = self.tokenizer(prompt, add_special_tokens=special)["input_ids"] if prompt else []
         elif isinstance(prompt, list):
@@ -118,6 +133,8 @@ class Requests:
                     "give each message's content as a string",
                     param="messages",
                 )
+        for m in messages:
+            _encodable(m.get("content", ""), "messages")
         if self.unparsed:
             raise RequestError(f"messages: {self.unparsed}", param="messages")
         try:
@@ -130,7 +147,8 @@ class Requests:
             )
         except Exception as exc:
             said = " ".join(str(exc).split())[:300]  # jinja2's syntax errors add a line of their own
-            raise RequestError(f"messages: the chat template refused them ({type(exc).__name__}: {said})") from None
+            raise RequestError(f"messages: the chat template refused them ({type(exc).__name__}: {said})",
+                               param="messages") from None  # fmt: skip
         if isinstance(ids, dict):
             ids = ids["input_ids"]
         return self.checked(list(ids), "messages")
