@@ -148,7 +148,10 @@ def test_speculators_mooncake_reader_gets_transformers_states(mooncake_server, m
     """speculators' loader, six threads at once, reading every row from the store; the trainer removes each
     object, and the server sees its room come back."""
     rows = _rows(10, seed=1)
-    online = _online_dataset(_dataset(tmp_path / "data", rows), mooncake_server, _transfer(master))
+    transfer = _transfer(master)
+    transfer.setup()  # once, as each loader process does: the dataset's threads would each mount a store of their own,
+    # keep the last, and an object the server put in a segment dropped with the others would be waited for 120 s
+    online = _online_dataset(_dataset(tmp_path / "data", rows), mooncake_server, transfer)
     with ThreadPoolExecutor(6) as pool:
         items = list(pool.map(online.__getitem__, range(len(rows))))
     _check(items, rows, Reference(tiny_llama))

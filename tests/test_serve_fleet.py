@@ -227,6 +227,7 @@ def test_a_request_ray_serve_cancels_never_runs_or_has_its_row_removed(tmp_path,
     from eagle_extract.config import ServeOptions
     from eagle_extract.faces.requests import Requests
     from eagle_extract.faces.routes import make_app
+    from eagle_extract.files.rowfile import HEADER_BOUND
     from eagle_extract.files.spool import Spool
 
     loop, spool = _Loop(), Spool(tmp_path, 10**9, 600)
@@ -262,7 +263,7 @@ def test_a_request_ray_serve_cancels_never_runs_or_has_its_row_removed(tmp_path,
         await asyncio.gather(task, return_exceptions=True)
         await asyncio.sleep(0.1)
         assert future.cancelled() and loop.abandoned == 0  # the loop drops it, and counts it then
-        spool.release(24)  # as the loop does for a row it drops: 3 tokens of 8 bytes
+        spool.release(24 + HEADER_BOUND)  # as the loop does for a row it drops: 3 tokens of 8 bytes, and a header
 
     async def cancelled_while_it_runs(future, task) -> None:
         assert future.set_running_or_notify_cancel()  # in the engine: it can no longer be dropped
@@ -270,7 +271,7 @@ def test_a_request_ray_serve_cancels_never_runs_or_has_its_row_removed(tmp_path,
         await asyncio.gather(task, return_exceptions=True)
         row = tmp_path / "hs_0.safetensors"
         row.write_bytes(b"x" * 24)
-        spool.written([row], 24)
+        spool.written([row], 24 + HEADER_BOUND)
         future.set_result(str(row))
         for _ in range(100):
             if not row.exists() and loop.abandoned == 1:

@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 
 from ..config import ServeOptions
 from ..errors import RequestError
+from ..files.rowfile import HEADER_BOUND
 from ..files.spool import Spool
 from ..job.continuous import STOPPING, EngineLoop
 from .mooncake import MooncakeObjects, StoreUnavailable
@@ -105,7 +106,7 @@ def make_app(
         """The row's name and the answer's kv_transfer_params: its file's path, or its Mooncake object's manifest.
         Waiting for spool room takes a thread of its own pool (no other request's parsing or tokenizing waits
         behind it), putting into the store one of the store's pool."""
-        nbytes = len(ids) * requests.bytes_per_token
+        nbytes = len(ids) * requests.bytes_per_token + HEADER_BOUND  # the file's header too: the bound holds
         if objects is not None:
             objects.refuse_unfitting(nbytes)
         await asyncio.get_running_loop().run_in_executor(waiting_for_room, spool.admit, nbytes, give_up)

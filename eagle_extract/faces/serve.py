@@ -26,6 +26,7 @@ from ..config import ExtractConfig, ServeOptions
 from ..data.formats import DataError
 from ..data.samples import check_template
 from ..errors import ExtractError, engine_errors
+from ..files.rowfile import HEADER_BOUND
 from ..files.spool import Spool, folder_prefix, hold_folder, sweep_dead_servers
 from ..interrupts import interrupted, note_interrupt
 from ..job.continuous import EngineLoop, capture_engine
@@ -79,11 +80,12 @@ def prepare(cfg: ExtractConfig, opts: ServeOptions, log=print):
     check_serve_options(cfg, opts)
     shape, aux_ids = model_layers(cfg)
     per_token = token_bytes(cfg, shape, aux_ids)
-    if opts.spool_bytes and opts.spool_bytes / opts.replicas < per_token:  # every request would get 413
+    if opts.spool_bytes and opts.spool_bytes / opts.replicas < per_token + HEADER_BOUND:  # every request: 413
         split = f" split among {opts.replicas} replicas" if opts.replicas > 1 else ""
         raise ExtractError(
             f"--spool-bytes {opts.spool_bytes:,.0f}{split} holds no row: one token's states take {per_token:,} bytes "
-            f"here, a 1,024-token row {1024 * per_token:,}; pass a larger --spool-bytes"
+            f"here, a 1,024-token row {1024 * per_token + HEADER_BOUND:,} with its file's header; pass a larger "
+            "--spool-bytes"
         )
     check_weights(cfg)
     tokenizer = load_tokenizer(cfg)

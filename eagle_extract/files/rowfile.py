@@ -39,6 +39,7 @@ from safetensors import safe_open
 from .fp8 import FP8, SCALES
 
 HIDDEN_DIR = "hidden_states"
+HEADER_BOUND = 1024  # a row file's bytes besides its tensors: the header's length word and JSON (about 260)
 LAYER_IDS = "slot_layer_ids"  # row metadata keys
 CHECKSUM = "checksum"
 LEGACY_RECORD = "eagle_extract"  # data_{i}.pt's key for the row metadata
