@@ -137,6 +137,16 @@ def test_rows_in_flight_count_against_the_spools_filesystem_when_it_holds_less_t
     spool.release(row)  # a row in flight is answered or fails: room again
     spool.admit(row, threading.Event())
     assert spool.used() == 2 * row
+    spool.release(2 * row)
+    halves = [Spool(small_disk, limit=1 << 40, ttl=60, share=0.5) for _ in range(2)]  # two replicas, one disk
+    for half in halves:
+        half.admit(row, threading.Event())  # each takes its share of the free space; nothing more fits
+    for half in halves:
+        gone = threading.Event()
+        threading.Timer(0.3, gone.set).start()
+        with pytest.raises(RequestError):
+            half.admit(row, gone)
+        assert half.used() == row
 
 
 PARENT = """

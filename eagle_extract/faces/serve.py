@@ -199,7 +199,7 @@ def engine_server(cfg: ExtractConfig, opts: ServeOptions, log, prepared, spool_s
         per_token = token_bytes(cfg, shape, aux_ids)
         folder, held = _spool_folder(opts, log)
         limit = int((opts.spool_bytes or shutil.disk_usage(folder).free * SPOOL_SHARE) * spool_share)
-        spool = Spool(folder, limit, opts.spool_ttl)
+        spool = Spool(folder, limit, opts.spool_ttl, spool_share)  # replicas share one spool's filesystem
         name = opts.served_model_name or cfg.model
         if opts.whole_context and shape.context:  # up to SERVE_LENGTH: a 1M-token context's KV cache may not fit
             cfg = replace(cfg, seq_length=min(shape.context - 1, SERVE_LENGTH))

@@ -27,10 +27,11 @@ class Spool:
     the files written and the rows in flight would pass `limit` bytes, or the filesystem's room for them; a file
     and its links (identical prompts) are one group, counted once.  `sweep` (the server's janitor; `waiting` at
     shutdown) sees which files the trainer took and removes those uncollected after `ttl` seconds; `clear`
-    removes every file of ours."""
+    removes every file of ours.  `share`: this spool's part of its filesystem's free space, where several
+    servers' spools (`--replicas`) write to one filesystem and each would otherwise count all of it."""
 
-    def __init__(self, root: Path, limit: int, ttl: float) -> None:
-        self.root, self.limit, self.ttl = root, limit, ttl
+    def __init__(self, root: Path, limit: int, ttl: float, share: float = 1.0) -> None:
+        self.root, self.limit, self.ttl, self.share = root, limit, ttl, share
         self._files: dict[Path, tuple[int, float]] = {}  # written, not yet seen gone: group, time written
         self._groups: dict[int, list[int]] = {}  # group -> [bytes, names of ours left]
         self._group_ids = itertools.count()
@@ -69,11 +70,11 @@ class Spool:
 
     def _room(self) -> int:
         """What our files and rows in flight may take: the bound, or less where the filesystem has less (rows in
-        flight are not on the disk yet, so its free space alone would let concurrent rows overfill it).  Looked
-        at outside the lock: a slow filesystem holds up the request that looks, not the server."""
+        flight are not on the disk yet, so its free space alone would let concurrent rows overfill it), of which
+        our share.  Looked at outside the lock: a slow filesystem holds up the request that looks, not the server."""
         ours = self._file_bytes  # read before the look: a file written between them errs low, counted in neither
         try:
-            return min(self.limit, shutil.disk_usage(self.root).free + ours)
+            return min(self.limit, int(shutil.disk_usage(self.root).free * self.share) + ours)
         except OSError:  # a filesystem that fails one look (ESTALE, EIO): the bound, until the next look
             return self.limit
 
