@@ -478,7 +478,7 @@ def test_bad_server_options_get_one_line_before_the_engine(smollm2, tmp_path):
             "a port out of range": ["--port", "0"],
             "a port another process listens on": ["--port", str(taken.getsockname()[1])],
             "a spool bound below 1": ["--spool-bytes", "0"],
-            "a spool bound that holds not one token's states": ["--spool-bytes", "100"],
+            "a spool bound that holds not one token's row": ["--spool-bytes", "100"],
             "a TTL that is not a positive number": ["--spool-ttl", "nan"],
             "an empty API key": ["--api-key", ""],
             "an API key an HTTP header cannot carry": ["--api-key", "a\nb"],

@@ -33,23 +33,25 @@ def test_the_api_key_is_checked_with_any_case_of_the_scheme():
         assert status == 200 or got.json()["error"]["code"] == 401
 
 
-def test_sampling_options_are_checked_for_their_type_and_numbers_equal_to_the_allowed_ones_pass():
-    """No text is generated, so these options change nothing; a value vLLM's server would refuse is refused."""
+def test_sampling_options_are_read_as_vllm_reads_them_and_numbers_equal_to_the_allowed_ones_pass():
+    """No text is generated, so these options change nothing; what vLLM's server accepts (pydantic's lax mode:
+    "1", 1.0 and true are 1) passes, what it refuses is refused naming the field."""
     import json
 
     from eagle_extract.errors import RequestError
     from eagle_extract.faces.requests import Requests
 
     requests = Requests("m", None, 100, 8, 1000, None)
-    for fine in [{"n": 1.0}, {"best_of": 1}, {"top_logprobs": 0.0}, {"max_tokens": 1.0}, {"max_tokens": None},
-                 {"temperature": 0}, {"top_p": 0.9}, {"seed": 7}, {"max_completion_tokens": 1}]:  # fmt: skip
+    for fine in [{"n": 1.0}, {"n": "1"}, {"best_of": 1}, {"top_logprobs": 0.0}, {"max_tokens": 1.0},
+                 {"max_tokens": "1"}, {"max_tokens": None}, {"seed": True}, {"temperature": 0}, {"top_p": "0.9"},
+                 {"max_completion_tokens": 1}]:  # fmt: skip
         assert requests.parse(json.dumps(fine).encode()) == fine
-    for bad, param, said in [({"max_tokens": "1"}, "max_tokens", 'give an integer, not "1"'),
+    for bad, param, said in [({"max_tokens": "one"}, "max_tokens", 'give an integer, not "one"'),
                              ({"max_tokens": 1.5}, "max_tokens", "give an integer, not 1.5"),
-                             ({"seed": True}, "seed", "give an integer, not true"),
+                             ({"seed": [7]}, "seed", "give an integer, not [7]"),
                              ({"temperature": "hot"}, "temperature", 'give a number, not "hot"'),
-                             ({"top_p": [1]}, "top_p", "give a number, not [1]"),
-                             ({"n": True}, "n", "leave n out"), ({"n": 2.0}, "n", "leave n out")]:  # fmt: skip
+                             ({"top_p": {}}, "top_p", "give a number, not {}"),
+                             ({"n": 2.0}, "n", "leave n out"), ({"n": "2"}, "n", "leave n out")]:  # fmt: skip
         with pytest.raises(RequestError) as refused:
             requests.parse(json.dumps(bad).encode())
         assert refused.value.param == param and str(refused.value).endswith(said), (bad, str(refused.value))
@@ -66,7 +68,7 @@ def test_text_no_tokenizer_encodes_is_refused_naming_its_field(smollm2):
     cases = [(b'{"prompt": "ab\\ud800"}', False, "prompt",
               "prompt: the text holds a lone surrogate (U+D800 at character 2)"),
              (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', True, "messages",
-              "messages: the text holds a lone surrogate (U+DFFF at character 0)"),
+              "messages[0].content: the text holds a lone surrogate (U+DFFF at character 0)"),
              (b'{"messages": [{"content": "hi"}]}', True, "messages",
               "messages: the chat template refused them")]  # fmt: skip
     for raw, chat, param, said in cases:
@@ -144,9 +146,13 @@ def test_rows_in_flight_count_against_the_spools_filesystem_when_it_holds_less_t
     for half in halves:
         gone = threading.Event()
         threading.Timer(0.3, gone.set).start()
-        with pytest.raises(RequestError):
+        with pytest.raises(RequestError) as err:
             half.admit(row, gone)
-        assert half.used() == row
+        assert err.value.status == 503 and half.used() == row  # it waited (for room that did not come)
+    lone = Spool(small_disk, limit=1 << 40, ttl=60, share=0.5)
+    with pytest.raises(RequestError, match=r"free \(this server's share of it: 1/2, --replicas\)") as err:
+        lone.admit(shutil.disk_usage(small_disk).free * 3 // 5, threading.Event())  # past its share: never
+    assert err.value.status == 413
 
 
 PARENT = """

@@ -37,6 +37,7 @@ SEGMENT_SHARE = 0.8  # of our segment our objects may fill: under the master's e
 GRANULE = 64 << 20  # a staging buffer grows by this much
 NO_ROOM = -200  # Mooncake's status when no segment has room for the object
 RPC_FAIL = -900  # Mooncake's status when the master does not answer
+NOT_FOUND = -704  # Mooncake's status for a key the store does not hold
 NO_ROOM_S = 10.0  # a put that finds no room is tried again this long (a restarted master remounts the segments)
 SWEEP_S = 0.5  # seconds between looks at which objects the trainer collected
 DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "I64": "int64", "I32": "int32"}
@@ -209,9 +210,8 @@ class MooncakeObjects:
         """Forget the objects the trainer removed (or a restarted master lost); remove those older than `ttl`,
         each leaving an error marker for a trainer that comes late, and the markers older than `ttl`."""
         now = time.monotonic()
-        for marker, at in list(self._markers.items()):
-            if now - at > self.ttl:
-                self._store.remove(marker, force=True)  # or the late trainer removed it, with its object's name
+        for marker, at in list(self._markers.items()):  # or the late trainer removed it, with its object's name
+            if now - at > self.ttl and self._store.remove(marker, force=True) in (0, NOT_FOUND):
                 del self._markers[marker]
         with self._cond:
             objects = list(self._objects.items())
@@ -220,7 +220,7 @@ class MooncakeObjects:
         there = self._store.batch_is_exist([key for key, _ in objects])
         gone = []
         for (key, (_, at)), found in zip(objects, there):
-            if found == 1 and now - at > self.ttl and self._store.remove(key, force=True) == 0:
+            if found == 1 and now - at > self.ttl and self._store.remove(key) == 0:  # not while a reader leases it
                 self.expired += 1
                 gone.append(key)
                 why = (f"eagle-extract removed this row uncollected {self.ttl:g} s after it was answered "
@@ -238,7 +238,7 @@ class MooncakeObjects:
         """A row larger than the store's room for rows would wait, be refused, and be run again on each retry."""
         if nbytes > self.limit:
             raise RequestError(
-                f"the prompt's states take {nbytes:,} bytes, more than the Mooncake store's room for rows of "
+                f"the prompt's row takes {nbytes:,} bytes, more than the Mooncake store's room for rows of "
                 f"{self.limit:,} ({SEGMENT_SHARE:.0%} of --mooncake-global-segment-gib); send a shorter prompt, or "
                 "start the server with a larger --mooncake-global-segment-gib",
                 status=413,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from pydantic import TypeAdapter, ValidationError
+
 from ..errors import RequestError
 
 UNPARSED_TEMPLATE = "this server's chat template does not parse; send the prompt's token ids to /v1/completions"
@@ -18,32 +20,30 @@ UNHONOURED = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None,), "logit_bias": (None, {}),
 }  # fmt: skip
-# Sampling options change nothing here (no text is generated), but a value of the wrong type is refused as vLLM does
+# Sampling options change nothing here (no text is generated), but a value vLLM's server refuses is refused
 NUMBERS = {"max_tokens": int, "max_completion_tokens": int, "min_tokens": int, "top_k": int, "seed": int,
            "temperature": float, "top_p": float, "min_p": float, "frequency_penalty": float,
            "presence_penalty": float, "repetition_penalty": float}  # fmt: skip
-
-
-def _number(value, kind: type) -> bool:
-    """A JSON number of the kind (an integer may be written 1.0, as pydantic allows), or null."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
-        return True
-    return isinstance(value, float) and (kind is float or value.is_integer())
+AS = {int: TypeAdapter(int | None), float: TypeAdapter(float | None)}  # read as vLLM's request models read them:
+# pydantic's lax mode, where "1", 1.0 and true are 1
 
 
 def _same(value, fine) -> bool:
-    if type(fine) is int and value is not None and _number(value, int):
-        return value == fine  # n: 1.0 is n: 1
+    if type(fine) is int and value is not None:
+        try:
+            return AS[int].validate_python(value) == fine  # n: 1.0 is n: 1, as vLLM reads it
+        except ValidationError:
+            return False
     return value == fine and type(value) is type(fine)
 
 
-def _encodable(text: str, param: str) -> None:
+def _encodable(text: str, param: str, where: str) -> None:
     """JSON may carry a lone UTF-16 surrogate (`"\\ud800"`), which no tokenizer encodes."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise RequestError(
-            f"{param}: the text holds a lone surrogate (U+{ord(text[exc.start]):04X} at character {exc.start}), "
+            f"{where}: the text holds a lone surrogate (U+{ord(text[exc.start]):04X} at character {exc.start}), "
             "which is no Unicode character; send it paired, or leave it out",
             param=param,
         ) from None
@@ -77,9 +77,11 @@ class Requests:
                 raise RequestError(f"{name}: give true or false (a JSON boolean), not {json.dumps(body[name])}",
                                    param=name)  # fmt: skip
         for name, kind in NUMBERS.items():
-            if not _number(body.get(name), kind):
+            try:
+                AS[kind].validate_python(body.get(name))
+            except ValidationError:
                 what = "an integer" if kind is int else "a number"
-                raise RequestError(f"{name}: give {what}, not {json.dumps(body[name])}", param=name)
+                raise RequestError(f"{name}: give {what}, not {json.dumps(body[name])}", param=name) from None
         for name, fine in UNHONOURED.items():
             if name in body and not any(_same(body[name], value) for value in fine):
                 raise RequestError(
@@ -98,8 +100,8 @@ class Requests:
         except (TypeError, ValueError, UnicodeError, RecursionError) as exc:
             said = (str(exc).splitlines() or [""])[0][:200]
             param = "messages" if chat else "prompt"
-            raise RequestError(f"{param}: the tokenizer cannot encode it ({type(exc).__name__}: {said})",
-                               param=param) from None  # fmt: skip
+            raise RequestError(f"{param}: the tokenizer cannot encode it ({type(exc).__name__}: {said}); send the "
+                               "prompt's token ids to /v1/completions instead", param=param) from None  # fmt: skip
 
     def model(self, body: dict) -> None:
         model = body.get("model")
@@ -111,7 +113,7 @@ class Requests:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            _encodable(prompt, "prompt")
+            _encodable(prompt, "prompt", "prompt")
             special = body.get("add_special_tokens", True) is not False
             ids = self.tokenizer(prompt, add_special_tokens=special)["input_ids"] if prompt else []
         elif isinstance(prompt, list):
@@ -133,8 +135,8 @@ class Requests:
                     "give each message's content as a string",
                     param="messages",
                 )
-        for m in messages:
-            _encodable(m.get("content", ""), "messages")
+        for i, m in enumerate(messages):
+            _encodable(m.get("content", ""), "messages", f"messages[{i}].content")
         if self.unparsed:
             raise RequestError(f"messages: {self.unparsed}", param="messages")
         try:
@@ -147,8 +149,11 @@ class Requests:
             )
         except Exception as exc:
             said = " ".join(str(exc).split())[:300]  # jinja2's syntax errors add a line of their own
-            raise RequestError(f"messages: the chat template refused them ({type(exc).__name__}: {said})",
-                               param="messages") from None  # fmt: skip
+            raise RequestError(
+                f"messages: the chat template refused them ({type(exc).__name__}: {said}); fix the messages, or send "
+                "the prompt's token ids to /v1/completions",
+                param="messages",
+            ) from None
         if isinstance(ids, dict):
             ids = ids["input_ids"]
         return self.checked(list(ids), "messages")

@@ -106,9 +106,9 @@ def make_app(
         """The row's name and the answer's kv_transfer_params: its file's path, or its Mooncake object's manifest.
         Waiting for spool room takes a thread of its own pool (no other request's parsing or tokenizing waits
         behind it), putting into the store one of the store's pool."""
-        nbytes = len(ids) * requests.bytes_per_token + HEADER_BOUND  # the file's header too: the bound holds
         if objects is not None:
-            objects.refuse_unfitting(nbytes)
+            objects.refuse_unfitting(len(ids) * requests.bytes_per_token)  # an object holds no header
+        nbytes = len(ids) * requests.bytes_per_token + HEADER_BOUND  # the file's header too: the bound holds
         await asyncio.get_running_loop().run_in_executor(waiting_for_room, spool.admit, nbytes, give_up)
         if give_up.is_set():
             spool.release(nbytes)

@@ -83,9 +83,9 @@ def prepare(cfg: ExtractConfig, opts: ServeOptions, log=print):
     if opts.spool_bytes and opts.spool_bytes / opts.replicas < per_token + HEADER_BOUND:  # every request: 413
         split = f" split among {opts.replicas} replicas" if opts.replicas > 1 else ""
         raise ExtractError(
-            f"--spool-bytes {opts.spool_bytes:,.0f}{split} holds no row: one token's states take {per_token:,} bytes "
-            f"here, a 1,024-token row {1024 * per_token + HEADER_BOUND:,} with its file's header; pass a larger "
-            "--spool-bytes"
+            f"--spool-bytes {opts.spool_bytes:,.0f}{split} holds no row: a one-token row file takes "
+            f"{per_token + HEADER_BOUND:,} bytes here, a 1,024-token one {1024 * per_token + HEADER_BOUND:,}; pass a "
+            "larger --spool-bytes"
         )
     check_weights(cfg)
     tokenizer = load_tokenizer(cfg)
@@ -326,4 +326,6 @@ def _serve_http(core: Core, http: _Server, where: str, sock) -> int:
 
 
 def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:,.1f} GiB"
+    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 else f"{nbytes:,} bytes"

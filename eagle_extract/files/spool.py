@@ -52,16 +52,17 @@ class Spool:
         """Refuse a row that could never be written (413), else wait for its room (`reserve`)."""
         if nbytes > self.limit:
             raise RequestError(
-                f"the prompt's states take {nbytes:,} bytes, more than the spool's bound of {self.limit:,} "
+                f"the prompt's row file takes {nbytes:,} bytes, more than the spool's bound of {self.limit:,} "
                 "(--spool-bytes); send a shorter prompt, or start the server with a larger --spool-bytes",
                 status=413,
                 param="prompt",
             )
-        room = shutil.disk_usage(self.root).free + self._file_bytes  # our files go once collected
+        room = int(shutil.disk_usage(self.root).free * self.share) + self._file_bytes  # ours go once collected
         if nbytes > room:
+            mine = f" (this server's share of it: 1/{round(1 / self.share)}, --replicas)" if self.share < 1 else ""
             raise RequestError(
-                f"the prompt's states take {nbytes:,} bytes, and the spool's filesystem has {room:,} free even "
-                f"once every row of ours is collected ({self.root.parent}, --spool); free space there, or start "
+                f"the prompt's row file takes {nbytes:,} bytes, and the spool's filesystem has {room:,} free{mine} "
+                f"even once every row of ours is collected ({self.root.parent}, --spool); free space there, or start "
                 "the server with a --spool on a larger filesystem",
                 status=413,
                 param="prompt",
