@@ -220,7 +220,7 @@ class MooncakeObjects:
         there = self._store.batch_is_exist([key for key, _ in objects])
         gone = []
         for (key, (_, at)), found in zip(objects, there):
-            if found == 1 and now - at > self.ttl and self._store.remove(key) == 0:  # not while a reader leases it
+            if found == 1 and now - at > self.ttl and self._store.remove(key, force=True) == 0:  # (the look leases it)
                 self.expired += 1
                 gone.append(key)
                 why = (f"eagle-extract removed this row uncollected {self.ttl:g} s after it was answered "
