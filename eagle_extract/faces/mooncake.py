@@ -225,8 +225,9 @@ class MooncakeObjects:
                 gone.append(key)
                 why = (f"eagle-extract removed this row uncollected {self.ttl:g} s after it was answered "
                        "(--spool-ttl); ask for it again")  # fmt: skip
-                if self._store.put(f"{key}:error", json.dumps({"error": why}).encode()) == 0:
-                    self._markers[f"{key}:error"] = now
+                marker = f"{key}:error"
+                if self._store.put(marker, json.dumps({"error": why}).encode()) == 0:
+                    self._markers[marker] = now
             elif found == 0:
                 gone.append(key)
         with self._cond:

@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect
 
 from ..config import ServeOptions
 from ..errors import RequestError
-from ..files.rowfile import HEADER_BOUND
+from ..files.rowfile import row_file_bytes
 from ..files.spool import Spool
 from ..job.continuous import STOPPING, EngineLoop
 from .mooncake import MooncakeObjects, StoreUnavailable
@@ -108,7 +108,7 @@ def make_app(
         behind it), putting into the store one of the store's pool."""
         if objects is not None:
             objects.refuse_unfitting(len(ids) * requests.bytes_per_token)  # an object holds no header
-        nbytes = len(ids) * requests.bytes_per_token + HEADER_BOUND  # the file's header too: the bound holds
+        nbytes = row_file_bytes(len(ids), requests.bytes_per_token)  # the file's header too: the bound holds
         await asyncio.get_running_loop().run_in_executor(waiting_for_room, spool.admit, nbytes, give_up)
         if give_up.is_set():
             spool.release(nbytes)

@@ -26,7 +26,7 @@ from ..config import ExtractConfig, ServeOptions
 from ..data.formats import DataError
 from ..data.samples import check_template
 from ..errors import ExtractError, engine_errors
-from ..files.rowfile import HEADER_BOUND
+from ..files.rowfile import row_file_bytes
 from ..files.spool import Spool, folder_prefix, hold_folder, sweep_dead_servers
 from ..interrupts import interrupted, note_interrupt
 from ..job.continuous import EngineLoop, capture_engine
@@ -80,12 +80,12 @@ def prepare(cfg: ExtractConfig, opts: ServeOptions, log=print):
     check_serve_options(cfg, opts)
     shape, aux_ids = model_layers(cfg)
     per_token = token_bytes(cfg, shape, aux_ids)
-    if opts.spool_bytes and opts.spool_bytes / opts.replicas < per_token + HEADER_BOUND:  # every request: 413
+    if opts.spool_bytes and opts.spool_bytes / opts.replicas < row_file_bytes(1, per_token):  # every request: 413
         split = f" split among {opts.replicas} replicas" if opts.replicas > 1 else ""
         raise ExtractError(
             f"--spool-bytes {opts.spool_bytes:,.0f}{split} holds no row: a one-token row file takes "
-            f"{per_token + HEADER_BOUND:,} bytes here, a 1,024-token one {1024 * per_token + HEADER_BOUND:,}; pass a "
-            "larger --spool-bytes"
+            f"{row_file_bytes(1, per_token):,} bytes here, a 1,024-token one {row_file_bytes(1024, per_token):,}; "
+            "pass a larger --spool-bytes"
         )
     check_weights(cfg)
     tokenizer = load_tokenizer(cfg)

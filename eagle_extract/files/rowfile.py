@@ -47,6 +47,11 @@ LEGACY_RECORD = "eagle_extract"  # data_{i}.pt's key for the row metadata
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
+def row_file_bytes(tokens: int, per_token: int) -> int:
+    """A bound on a row file's size: its tensors' bytes and HEADER_BOUND."""
+    return tokens * per_token + HEADER_BOUND
+
+
 def hidden_state_path(output: Path, index: int, legacy: bool = False) -> Path:
     if legacy:
         return Path(output) / f"data_{index}.pt"

@@ -57,10 +57,7 @@ class Spool:
                 status=413,
                 param="prompt",
             )
-        try:
-            room = int(shutil.disk_usage(self.root).free * self.share) + self._file_bytes  # ours go once collected
-        except OSError:  # a filesystem that fails one look (ESTALE, EIO): the bound alone, as `_room` does
-            room = self.limit
+        room = self._room()  # with every row of ours collected: nbytes is within the bound already
         if nbytes > room:
             mine = f" (this server's share of it: 1/{round(1 / self.share)}, --replicas)" if self.share < 1 else ""
             raise RequestError(
