@@ -2,7 +2,7 @@
 
     python benchmarks/online.py --model PATH [--dummy] --rows 512 --prompt-len 1024 --spool /dev/shm --spool /tmp
     (--model smollm2: the bundled SmolLM2; a --dummy model folder needs config.json and a tokenizer)
-    [--mooncake] [--no-offline] [--replicas 1 2]
+    [--mooncake] [--no-offline] [--replicas 1 2] [--fp8]
 
 For each spool folder: offline, `eagle-extract` writes the rows into that folder (`--reps` runs, the engine
 start not counted: the manifest's extract_s); online, one `eagle-extract serve` with its spool there, and
@@ -51,6 +51,7 @@ def _rows(n: int, length: int, vocab: int) -> list[list[int]]:
 
 def _model_args(args) -> list[str]:
     extra = ["--engine-arg", "load_format=dummy"] if args.dummy else []
+    extra += ["--storage-dtype", "fp8"] if args.fp8 else []
     return ["--model", args.model, "--dtype", args.dtype, *extra, *args.extra]
 
 
@@ -115,12 +116,13 @@ class Master:
 _DATASET = None  # each client process's own ArrowDataset, as each of speculators' data-loader workers has
 
 
-def _transfer(datapath: str, master: str | None):
-    """The file reader, or the mooncake one as `speculators train --hidden-states-backend mooncake` builds it."""
+def _transfer(datapath: str, master: str | None, fp8: bool):
+    """The file reader (FP8 files dequantised, as `--hidden-states-backend fp8` reads them), or the mooncake one as
+    `speculators train --hidden-states-backend mooncake` builds it."""
     if master is None:
-        from hs_connectors import FileTransfer
+        from hs_connectors.transfer import FileTransfer, FP8Transfer
 
-        return FileTransfer(Path(datapath) / "hs")
+        return (FP8Transfer if fp8 else FileTransfer)(Path(datapath) / "hs")
     from hs_connectors.transfer import MooncakeBackend
 
     args = argparse.Namespace(mooncake_master=master, mooncake_metadata_server="P2PHANDSHAKE", mooncake_protocol="tcp",
@@ -136,12 +138,12 @@ _SETUP_ERROR = None  # why this client process could not build its dataset (a po
 # breaks the whole pool, and its traceback goes only to the process's stderr)
 
 
-def _client(datapath: str, port: int, model: str, max_len: int, master: str | None) -> None:
+def _client(datapath: str, port: int, model: str, max_len: int, master: str | None, fp8: bool) -> None:
     global _DATASET, _SETUP_ERROR
     try:
         from speculators.train.data import ArrowDataset
 
-        _DATASET = ArrowDataset(max_len=max_len, datapath=datapath, transfer=_transfer(datapath, master),
+        _DATASET = ArrowDataset(max_len=max_len, datapath=datapath, transfer=_transfer(datapath, master, fp8),
                                 vllm_endpoint=f"http://127.0.0.1:{port}/v1", model=model, on_missing="generate",
                                 train_ratio=1.0, split="train", request_timeout=600, max_retries=1)  # fmt: skip
     except BaseException as exc:  # noqa: BLE001 - reported by _ready, in the driver's output
@@ -209,7 +211,7 @@ def serve_pass(
     extra += ("--replicas", str(replicas)) if replicas > 1 else ()
     server = Serving(args, spool, *extra)
     try:
-        init = (str(datapath), server.port, args.model, args.prompt_len + 1, master)
+        init = (str(datapath), server.port, args.model, args.prompt_len + 1, master, args.fp8)
         with ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_client, initargs=init) as pool:  # fmt: skip
             unready = [why for why in pool.map(_ready, range(2 * args.clients)) if why]  # before the clock
@@ -232,6 +234,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--clients", type=int, default=12, help="client processes (speculators' --num-workers)")
     ap.add_argument("--spool", action="append", required=True, help="folder for both modes' files (repeatable)")
+    ap.add_argument("--fp8", action="store_true", help="FP8 storage (--storage-dtype fp8) in both modes")
     ap.add_argument("--extra", nargs="*", default=[], help="further eagle-extract options for both modes")
     ap.add_argument("--mooncake", action="store_true", help="also serve through --transfer mooncake (loopback TCP)")
     ap.add_argument("--mooncake-segment-gib", type=float, default=16.0, help="the server's Mooncake segment")

@@ -4,7 +4,7 @@
 # tokenizer; spools on tmpfs (/dev/shm) and on the machine's disk (the repository's folder).
 #   LOCK=gpu/requirements-gpu-vllm-0.26.0.lock bash scripts/gpu_run.sh /tmp/pieces bash benchmarks/online_h200.sh smollm2|llama8b OUT [shm|disk|mooncake]
 # CLIENTS=N: client processes (default 12, speculators' data-loader workers of one rank; 8 ranks keep 96 rows in flight).
-# ROWS, PROMPT_LEN, REPS: the rows, their tokens and the passes (default 256, 1,024 and 2).
+# ROWS, PROMPT_LEN, REPS: the rows, their tokens and the passes (default 256, 1,024 and 2); FP8=1: FP8 storage.
 # (one spool: a call of 600 s holds one; both without the third argument).  `mooncake`: the file transfer and
 # `serve --transfer mooncake` (a mooncake_master on loopback TCP), both on tmpfs, no offline pass; it needs
 # Mooncake's cp312 wheel in .whl/ too (mooncake_transfer_engine*.whl; it links libibverbs.so.1, which the
@@ -36,6 +36,7 @@ spools=(--spool /dev/shm/spool --spool "$disk")
 [ "$only" = disk ] && spools=(--spool "$disk")
 [ "$only" = mooncake ] && spools=(--spool /dev/shm/spool --mooncake --no-offline)
 args+=(--rows "${ROWS:-256}" --prompt-len "${PROMPT_LEN:-1024}" --reps "${REPS:-2}")
-tag=$which-$only-c${CLIENTS:-12}-t${PROMPT_LEN:-1024}
+[ "${FP8:-0}" = 1 ] && args+=(--fp8)
+tag=$which-$only-c${CLIENTS:-12}-t${PROMPT_LEN:-1024}${FP8:+-fp8}
 python3 benchmarks/online.py "${args[@]}" --dtype bfloat16 --clients "${CLIENTS:-12}" "${spools[@]}" \
   --json "$out/online-$tag.json" 2>&1 | tee "$out/online-$tag.log" | grep -v -i warning | tail -20
