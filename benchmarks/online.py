@@ -60,9 +60,12 @@ def offline(args, data: Path, folder: Path) -> float:
     out = Path(tempfile.mkdtemp(prefix="offline.", dir=folder))
     try:
         cmd = [sys.executable, "-m", "eagle_extract", *_model_args(args), "--data", str(data), "--data-format",
-               "tokens", "--output", str(out), "--overwrite", "--no-disk-check"]  # fmt: skip
+               "tokens", "--output", str(out), "--overwrite", "--no-disk-check",
+               "--seq-length", str(args.prompt_len)]  # whole rows: the CLI's default cuts them at 2,048  # fmt: skip
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         manifest = json.loads((out / "eagle_extract.json").read_text())
+        if manifest["truncated"] or manifest["num_samples"] != args.rows:
+            raise SystemExit(f"offline wrote {manifest['num_samples']} rows, {manifest['truncated']} cut short")
         return manifest["num_samples"] / manifest["timing"]["extract_s"]
     finally:
         shutil.rmtree(out, ignore_errors=True)
