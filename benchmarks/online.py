@@ -24,6 +24,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shlex
 import shutil
 import socket
 import statistics
@@ -238,7 +239,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=12, help="client processes (speculators' --num-workers)")
     ap.add_argument("--spool", action="append", required=True, help="folder for both modes' files (repeatable)")
     ap.add_argument("--fp8", action="store_true", help="FP8 storage (--storage-dtype fp8) in both modes")
-    ap.add_argument("--extra", nargs="*", default=[], help="further eagle-extract options for both modes")
+    ap.add_argument(
+        "--extra", type=shlex.split, default=[], help="more eagle-extract options for both modes: --extra='--tp 2'"
+    )
     ap.add_argument("--mooncake", action="store_true", help="also serve through --transfer mooncake (loopback TCP)")
     ap.add_argument("--mooncake-segment-gib", type=float, default=16.0, help="the server's Mooncake segment")
     ap.add_argument("--no-offline", action="store_true", help="online passes only")
