@@ -36,7 +36,7 @@ spools=(--spool /dev/shm/spool --spool "$disk")
 [ "$only" = disk ] && spools=(--spool "$disk")
 [ "$only" = mooncake ] && spools=(--spool /dev/shm/spool --mooncake --no-offline)
 args+=(--rows "${ROWS:-256}" --prompt-len "${PROMPT_LEN:-1024}" --reps "${REPS:-2}")
-[ "${FP8:-0}" = 1 ] && args+=(--fp8)
-tag=$which-$only-c${CLIENTS:-12}-t${PROMPT_LEN:-1024}${FP8:+-fp8}
+tag=$which-$only-c${CLIENTS:-12}-t${PROMPT_LEN:-1024}
+[ "${FP8:-0}" = 1 ] && args+=(--fp8) && tag+=-fp8
 python3 benchmarks/online.py "${args[@]}" --dtype bfloat16 --clients "${CLIENTS:-12}" "${spools[@]}" \
   --json "$out/online-$tag.json" 2>&1 | tee "$out/online-$tag.log" | grep -v -i warning | tail -20
