@@ -66,7 +66,8 @@ def offline(args, data: Path, folder: Path) -> float:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         manifest = json.loads((out / "eagle_extract.json").read_text())
         if manifest["truncated"] or manifest["num_samples"] != args.rows:
-            raise SystemExit(f"offline wrote {manifest['num_samples']} rows, {manifest['truncated']} cut short")
+            raise SystemExit(f"offline wrote {manifest['num_samples']} of {args.rows} rows ({manifest['skipped']} "
+                             f"skipped), {manifest['truncated']} cut short")  # fmt: skip
         return manifest["num_samples"] / manifest["timing"]["extract_s"]
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -240,7 +241,7 @@ def main() -> None:
     ap.add_argument("--spool", action="append", required=True, help="folder for both modes' files (repeatable)")
     ap.add_argument("--fp8", action="store_true", help="FP8 storage (--storage-dtype fp8) in both modes")
     ap.add_argument(
-        "--extra", type=shlex.split, default=[], help="more eagle-extract options for both modes: --extra='--tp 2'"
+        "--extra", type=shlex.split, action="extend", default=[], help="more eagle-extract options: --extra='--tp 2'"
     )
     ap.add_argument("--mooncake", action="store_true", help="also serve through --transfer mooncake (loopback TCP)")
     ap.add_argument("--mooncake-segment-gib", type=float, default=16.0, help="the server's Mooncake segment")
@@ -248,6 +249,8 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, nargs="+", default=[1], help="serve with each number of replicas")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.fp8 and args.mooncake:
+        ap.error("--fp8 with --mooncake: serve refuses FP8 rows over Mooncake")
     from datasets import Dataset
     from transformers import AutoTokenizer
 

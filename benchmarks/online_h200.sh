@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# benchmarks/online.py on one H200, inside scripts/gpu_run.sh (vLLM 0.26.0's lock, uvicorn included):
+# benchmarks/online.py on one GPU, inside scripts/gpu_run.sh (any release's lock, with gpu/requirements-train.lock's wheels):
 # the bundled SmolLM2, or the Llama-3.1-8B shape with dummy weights and SmolLM2's
 # tokenizer; spools on tmpfs (/dev/shm) and on the machine's disk (the repository's folder).
 #   LOCK=gpu/requirements-gpu-vllm-0.26.0.lock bash scripts/gpu_run.sh /tmp/pieces bash benchmarks/online_h200.sh smollm2|llama8b OUT [shm|disk|mooncake]
@@ -37,6 +37,6 @@ spools=(--spool /dev/shm/spool --spool "$disk")
 [ "$only" = mooncake ] && spools=(--spool /dev/shm/spool --mooncake --no-offline)
 args+=(--rows "${ROWS:-256}" --prompt-len "${PROMPT_LEN:-1024}" --reps "${REPS:-2}")
 tag=$which-$only-c${CLIENTS:-12}-t${PROMPT_LEN:-1024}
-[ "${FP8:-0}" = 1 ] && args+=(--fp8) && tag+=-fp8
+case ${FP8:-0} in 1) args+=(--fp8) && tag+=-fp8 ;; 0) ;; *) echo "FP8=$FP8: give 1 or 0" >&2; exit 1 ;; esac
 python3 benchmarks/online.py "${args[@]}" --dtype bfloat16 --clients "${CLIENTS:-12}" "${spools[@]}" \
   --json "$out/online-$tag.json" 2>&1 | tee "$out/online-$tag.log" | grep -v -i warning | tail -20

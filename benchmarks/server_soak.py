@@ -20,6 +20,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -71,7 +72,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4, help="client processes (speculators' --num-workers)")
     ap.add_argument("--every", type=float, default=30.0, help="seconds between samples")
     ap.add_argument("--spool", default=None, help="folder the server's spool goes in (default: a fresh temporary one)")
-    ap.add_argument("--extra", nargs="*", default=[], help="further `eagle-extract serve` options")
+    ap.add_argument("--extra", type=shlex.split, action="extend", default=[],
+                    help="more `eagle-extract serve` options: --extra='--tp 2'")  # fmt: skip
     ap.add_argument("--mooncake", action="store_true", help="serve through --transfer mooncake (loopback TCP)")
     ap.add_argument("--mooncake-segment-gib", type=float, default=4.0, help="the server's Mooncake segment")
     ap.add_argument("--json", default=None)
