@@ -222,19 +222,24 @@ def test_a_stopped_master_is_a_503_with_one_line_and_a_restarted_one_serves_agai
 
 
 def test_sigkill_of_the_server_leaves_no_engine_and_the_next_start_sweeps_its_rows(mooncake_server):
-    """The module's last use of its server: killed outright, its engine goes with it (the guard), and what it
+    """The module's last use of its server: killed outright, its engine goes with it (the guard), and so do
+    the engine's shared-memory queues in /dev/shm (the resource tracker the guard spares removes them); what it
     left in the spool is swept by the next server's start, while a live server's folder stays."""
     from eagle_extract.files.spool import LOCK_NAME, folder_prefix, hold_folder, sweep_dead_servers
 
     s = mooncake_server
     engine = s.engine()
     assert engine, "no engine process found"
+    maps = " ".join(Path(f"/proc/{p.pid}/maps").read_text() for p in engine).split()
+    queues = {Path(word) for word in maps if word.startswith("/dev/shm/psm_")}
+    assert queues, "the engine maps no shared memory"
     os.kill(s.proc.pid, signal.SIGKILL)
     s.proc.wait(timeout=10)
-    deadline = time.monotonic() + 15
-    while [p for p in engine if _alive(p)] and time.monotonic() < deadline:
+    deadline = time.monotonic() + 20
+    while ([p for p in engine if _alive(p)] or any(q.exists() for q in queues)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in engine if _alive(p)], [p.pid for p in engine if _alive(p)]
+    assert not [q for q in queues if q.exists()]
     left = s.folder() / "hidden_states" / "hs_7.safetensors"  # a row the killed server had not put yet
     left.write_bytes(b"x" * 5000)
     live = s.spool / f"{folder_prefix()}live"

@@ -7,6 +7,7 @@ import os
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -156,28 +157,35 @@ def test_rows_in_flight_count_against_the_spools_filesystem_when_it_holds_less_t
 
 
 PARENT = """
-import os, subprocess, sys, time
-sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-kept = subprocess.Popen(sleep)  # running before the guard: not the engine's
-guard = [sys.executable, "-I", sys.argv[1], str(os.getpid()), str(kept.pid)]
-guard = subprocess.Popen(guard, stdin=subprocess.PIPE, start_new_session=True)
-spawner = f"import subprocess, time; subprocess.Popen({sleep!r}); time.sleep(60)"
-child = subprocess.Popen([sys.executable, "-c", spawner])
-import psutil
-deadline = time.monotonic() + 30
-while not psutil.Process(child.pid).children() and time.monotonic() < deadline:  # a loaded machine starts slowly
-    time.sleep(0.05)
-time.sleep(1)  # the guard, looking every 0.2 s, has seen the child and its own child
-if sys.argv[2] == "dismiss":
-    guard.communicate(b"done\\n")
-print(kept.pid, child.pid, guard.pid, flush=True)
-time.sleep(60)
+import multiprocessing, os, subprocess, sys, time
+if __name__ == "__main__":  # the spawned process below imports this file again
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    kept = subprocess.Popen(sleep)  # running before the guard: not the engine's
+    guard = [sys.executable, "-I", sys.argv[1], str(os.getpid()), str(kept.pid)]
+    guard = subprocess.Popen(guard, stdin=subprocess.PIPE, start_new_session=True)
+    from multiprocessing import shared_memory
+    queue = shared_memory.SharedMemory(create=True, size=1 << 20)  # as vLLM's message queues: the resource tracker
+    # (a process started now, at the engine's start) unlinks it once every process that holds its pipe is gone
+    user = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))  # holds the tracker's pipe,
+    user.start()  # as vLLM's engine core does
+    spawner = f"import subprocess, time; subprocess.Popen({sleep!r}); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", spawner])
+    import psutil
+    deadline = time.monotonic() + 30
+    while not psutil.Process(child.pid).children() and time.monotonic() < deadline:  # a loaded machine is slow
+        time.sleep(0.05)
+    time.sleep(1)  # the guard, looking every 0.2 s, has seen the child and its own child
+    if sys.argv[2] == "dismiss":
+        guard.communicate(b"done\\n")
+    print(kept.pid, child.pid, user.pid, guard.pid, queue.name, flush=True)
+    time.sleep(60)
 """
 
 
 def test_the_guard_stops_a_dead_parents_processes_and_nothing_else(tmp_path):
     """guard.py on its own: a parent killed with SIGKILL leaves its children and theirs stopped (a process it
-    told the guard to ignore stays); a parent that dismissed its guard leaves everything running."""
+    told the guard to ignore stays), and no shared memory behind: the resource tracker, spared, removes what
+    the dead registered; a parent that dismissed its guard leaves everything running."""
     import subprocess
     import sys
 
@@ -187,25 +195,34 @@ def test_the_guard_stops_a_dead_parents_processes_and_nothing_else(tmp_path):
         script = tmp_path / "parent.py"
         script.write_text(PARENT)
         parent = subprocess.Popen([sys.executable, str(script), guard.__file__, how], stdout=subprocess.PIPE, text=True)
-        kept, child, guard_pid = map(int, parent.stdout.readline().split())
+        *pids, queue = parent.stdout.readline().split()
+        kept, child, user, guard_pid = map(int, pids)
         tree = [psutil.Process(child), *psutil.Process(child).children(recursive=True)]
         assert len(tree) == 2
+        tree.append(psutil.Process(user))
+        tracker = [p for p in psutil.Process(parent.pid).children() if "resource_tracker" in " ".join(p.cmdline())]
+        assert len(tracker) == 1 and Path(f"/dev/shm/{queue}").exists()
         parent.kill()
         parent.wait()
-        return psutil.Process(kept), tree, guard_pid
+        return psutil.Process(kept), tree, tracker[0], guard_pid, Path(f"/dev/shm/{queue}")
 
-    kept, tree, guard_pid = family("die")
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+    kept, tree, tracker, guard_pid, queue = family("die")
+    gone = [*tree, tracker, *([psutil.Process(guard_pid)] if psutil.pid_exists(guard_pid) else [])]
+    deadline = time.monotonic() + 15
+    while (any(_alive(p) for p in gone) or queue.exists()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in tree) and _alive(kept)
-    assert not psutil.pid_exists(guard_pid) or not _alive(psutil.Process(guard_pid))
+    assert not any(_alive(p) for p in gone) and _alive(kept)  # the guard too: it waited for the tracker's end
+    assert not queue.exists()  # the tracker, spared, removed it before it ended
     kept.kill()
-    kept, tree, _ = family("dismiss")
+    kept, tree, _, _, queue = family("dismiss")
     time.sleep(2)
     assert all(_alive(p) for p in tree) and _alive(kept)
     for proc in [*tree, kept]:
         proc.kill()
+    deadline = time.monotonic() + 15  # the tracker removes it once its last user is gone
+    while queue.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not queue.exists()
 
 
 class _Loop:

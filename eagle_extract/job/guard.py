@@ -6,7 +6,10 @@ Run as a script (no import of the package or vLLM): `python guard.py PARENT_PID 
 the parent lives it notes, every SCAN_S, the parent's descendants that are not the ones named (those that
 were running before the engine, and itself).  A line `done` on stdin ends it with nothing stopped: the
 parent stopped its engine itself.  End of stdin without it (the parent died, its pipe closed) freezes each
-process noted, and any child they start meanwhile, then kills them all.
+process noted, and any child they start meanwhile, then kills them all, but for Python's multiprocessing
+resource tracker: once the processes that used it are gone it removes the shared memory and semaphores they
+left (vLLM's message queues in /dev/shm, hundreds of MB each), then ends; the guard kills it only if it
+outlives TRACKER_S.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import signal
 import sys
 
 SCAN_S = 0.2  # a process started less than this before the parent's death can be missed
+TRACKER_S = 10.0  # for the resource tracker to clean up after the processes killed, and end
+TRACKER = "multiprocessing.resource_tracker"
 
 
 def _started(proc) -> float | None:
@@ -40,19 +45,33 @@ def _descendants(parent, ignored: dict[int, float | None]) -> dict[int, object]:
     return {p.pid: p for p in children if p.pid not in ignored or _started(p) != ignored[p.pid]}
 
 
-def stop_tree(noted: dict[int, object]) -> None:
+def _tracker(proc) -> bool:
+    import psutil
+
+    try:
+        return TRACKER in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def stop_tree(noted: dict[int, object]) -> list:
     """SIGSTOP what was noted and still is the same process (a pid may be reused), then their children, until
-    no new one appears; then SIGKILL them all."""
+    no new one appears; then SIGKILL them all.  A resource tracker among them is left running (it cleans up
+    once its users are gone): returned."""
     import psutil
 
     frozen: dict[int, object] = {}
+    trackers = []
     todo = list(noted.values())
     while todo:
         proc = todo.pop()
-        if proc.pid in frozen:
+        if proc.pid in frozen or proc in trackers:
             continue
         try:
             if not proc.is_running():  # compares the creation time: a reused pid is another process
+                continue
+            if _tracker(proc):
+                trackers.append(proc)
                 continue
             proc.send_signal(signal.SIGSTOP)
             frozen[proc.pid] = proc
@@ -65,6 +84,7 @@ def stop_tree(noted: dict[int, object]) -> None:
             proc.send_signal(signal.SIGCONT)
         except psutil.Error:
             pass
+    return trackers
 
 
 def main(argv: list[str]) -> None:
@@ -88,7 +108,12 @@ def main(argv: list[str]) -> None:
         noted.update(_descendants(parent, ignored))
         if not parent.is_running():
             break
-    stop_tree(noted)
+    _, left = psutil.wait_procs(stop_tree(noted), timeout=TRACKER_S)
+    for proc in left:  # another process still holds its pipe: nothing it could clean up yet
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
 
 
 if __name__ == "__main__":
