@@ -217,6 +217,7 @@ def test_the_guard_stops_a_dead_parents_processes_and_nothing_else(tmp_path):
     kept, tree, _, _, queue = family("dismiss")
     time.sleep(2)
     assert all(_alive(p) for p in tree) and _alive(kept)
+    assert queue.exists()  # the tracker waits for every user of its pipe: here the spawned one lives on
     for proc in [*tree, kept]:
         proc.kill()
     deadline = time.monotonic() + 15  # the tracker removes it once its last user is gone

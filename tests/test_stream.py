@@ -243,3 +243,43 @@ def test_strict_refuses_a_bad_row_past_the_first_chunk_before_the_engine_starts(
     assert "--strict: checking every row before the engine starts" in proc.stdout
     assert sorted(p.name for p in out.iterdir()) == ["eagle_extract.log"]  # no run record, store or row file
     assert "vllm" not in (out / "eagle_extract.log").read_text().lower()  # the engine never started
+
+
+POOL_PARENT = """
+import multiprocessing, os, sys, time
+from concurrent.futures import ProcessPoolExecutor
+from eagle_extract.job.stream import die_with_parent
+if __name__ == "__main__":  # the pool's spawned workers import this file again
+    pool = ProcessPoolExecutor(2, multiprocessing.get_context("spawn"), die_with_parent)
+    list(pool.map(time.sleep, [0.5, 0.5]))  # both workers started
+    print(flush=True)
+    time.sleep(60)
+"""
+
+
+def test_tokenizing_workers_end_when_their_parent_is_killed(tmp_path):
+    """A killed run's pool workers would wait on their task queue for ever (each holds its other end), keeping
+    Python's resource tracker, and so the engine's shared memory, alive too: they end with their parent."""
+    import contextlib
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = tmp_path / "parent.py"
+    script.write_text(POOL_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        parent.stdout.readline()
+        family = psutil.Process(parent.pid).children()
+        workers = [p for p in family if "spawn_main" in " ".join(p.cmdline())]
+        assert len(workers) == 2, [p.cmdline() for p in family]
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    _, alive = psutil.wait_procs(family, timeout=15)  # the workers, and the tracker once they are gone
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    assert not alive, [proc.pid for proc in alive]

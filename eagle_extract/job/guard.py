@@ -21,7 +21,7 @@ import sys
 
 SCAN_S = 0.2  # a process started less than this before the parent's death can be missed
 TRACKER_S = 10.0  # for the resource tracker to clean up after the processes killed, and end
-TRACKER = "multiprocessing.resource_tracker"
+TRACKER = "from multiprocessing.resource_tracker import main;"  # its `-c` program (3.8 to 3.14)
 
 
 def _started(proc) -> float | None:
@@ -49,7 +49,7 @@ def _tracker(proc) -> bool:
     import psutil
 
     try:
-        return TRACKER in " ".join(proc.cmdline())
+        return any(arg.startswith(TRACKER) for arg in proc.cmdline())  # not a -W option naming the module
     except psutil.Error:
         return False
 
@@ -81,6 +81,11 @@ def stop_tree(noted: dict[int, object]) -> list:
     for proc in frozen.values():
         try:
             proc.send_signal(signal.SIGKILL)
+            proc.send_signal(signal.SIGCONT)
+        except psutil.Error:
+            pass
+    for proc in trackers:  # one stopped with its process group (Ctrl-Z) must run to read its pipe's end
+        try:
             proc.send_signal(signal.SIGCONT)
         except psutil.Error:
             pass

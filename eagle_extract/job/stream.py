@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import multiprocessing.connection
 import os
 import threading
 from collections import deque
@@ -41,7 +42,22 @@ _worker: dict = {}
 def _start_worker(cfg, settings: tuple) -> None:
     from .preflight import load_tokenizer
 
+    die_with_parent()
     _worker["tokenizer"], _worker["settings"] = load_tokenizer(cfg), settings
+
+
+def die_with_parent() -> None:
+    """A pool worker whose parent was killed would wait on its task queue for ever (it holds the queue's other
+    end itself), and keep Python's resource tracker from cleaning up after the engine: it ends with the parent."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="eagle-parent-watch").start()
 
 
 def _worker_chunk(rows: list) -> list:
