@@ -79,17 +79,21 @@ def stop_tree(noted: dict[int, object]) -> list:
         except psutil.Error:
             continue
     for proc in frozen.values():
-        try:
-            proc.send_signal(signal.SIGKILL)
-            proc.send_signal(signal.SIGCONT)
-        except psutil.Error:
-            pass
+        _send(proc, signal.SIGKILL, signal.SIGCONT)
     for proc in trackers:  # one stopped with its process group (Ctrl-Z) must run to read its pipe's end
-        try:
-            proc.send_signal(signal.SIGCONT)
-        except psutil.Error:
-            pass
+        _send(proc, signal.SIGCONT)
     return trackers
+
+
+def _send(proc, *signals: int) -> None:
+    """The signals in order, to a process that may be gone."""
+    import psutil
+
+    try:
+        for sig in signals:
+            proc.send_signal(sig)
+    except psutil.Error:
+        pass
 
 
 def main(argv: list[str]) -> None:
@@ -115,10 +119,7 @@ def main(argv: list[str]) -> None:
             break
     _, left = psutil.wait_procs(stop_tree(noted), timeout=TRACKER_S)
     for proc in left:  # another process still holds its pipe: nothing it could clean up yet
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
+        _send(proc, signal.SIGKILL)
 
 
 if __name__ == "__main__":
