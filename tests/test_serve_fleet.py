@@ -226,6 +226,40 @@ def test_the_guard_stops_a_dead_parents_processes_and_nothing_else(tmp_path):
     assert not queue.exists()
 
 
+def _hold_shared_memory(names) -> None:
+    from multiprocessing import shared_memory
+
+    segment = shared_memory.SharedMemory(create=True, size=1 << 20)  # as vLLM's queues: made by a spawned child
+    names.put(segment.name)
+    time.sleep(60)
+
+
+def test_the_shared_memory_a_killed_engine_made_is_removed_at_once(tmp_path):
+    """EngineWatch.end_engine's clean-up on its own: what a spawned process mapped in /dev/shm is found by
+    its inode and removed once the process is killed (its resource tracker would remove it only when the
+    run's process ends); a file of /dev/shm that it did not map stays."""
+    import multiprocessing
+
+    from eagle_extract.job.watch import _remove_shm, _shm_inodes
+
+    ctx = multiprocessing.get_context("spawn")
+    names = ctx.Queue()
+    child = ctx.Process(target=_hold_shared_memory, args=(names,))
+    child.start()
+    segment = Path("/dev/shm") / names.get(timeout=60)
+    other = Path("/dev/shm") / f"psm_eagle_test_{os.getpid()}"
+    other.write_bytes(b"x")  # Python's name, not the child's: not removed
+    try:
+        made = _shm_inodes([child.pid]) - _shm_inodes([os.getpid()])
+        child.kill()
+        child.join()
+        assert segment.exists()  # nothing removes it yet: the tracker outlives the child
+        _remove_shm(made)
+        assert not segment.exists() and other.exists()
+    finally:
+        other.unlink()
+
+
 class _Loop:
     """The engine loop's side of a request (no engine: what is tested is the routes' handling of a request
     Ray Serve cancels): submit gives a future the test answers; abandoned rows are counted."""

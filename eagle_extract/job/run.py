@@ -124,7 +124,7 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
     helper's, may hold it (a traceback vLLM keeps from its start holds the frames that started it)."""
     cfg, output, log = plan.cfg, Path(plan.cfg.output), run_log.say
     (records, first, sized), rows = source, None
-    llm, start_s, regenerated, tokenizing = None, 0.0, None, None
+    llm, start_s, regenerated, tokenizing, written = None, 0.0, None, None, False
     _warn_of_other_rows(plan, log)
     try:
         if records is not None:
@@ -174,10 +174,13 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
                 batches = itertools.chain([first_batch], batches)
                 got = _capture(llm, plan, todo, batches, mine, run_log.note, watch)
                 stats, extract_s, handed, tokens, pending = got
+        written = True  # the engine's answers are saved and its writers closed (eagle_remove)
     finally:
         if tokenizing is not None:
             tokenizing.stop()
         watch.stop.set()  # before the engine goes: its processes end now
+        if written and llm is not None:
+            watch.end_engine()  # at once, not in vLLM's ~5 s
         llm = None  # the engine stops now, into the run's log (frames vLLM's imports keep alive would hold it)
     missing = sorted(pending)
     if missing:

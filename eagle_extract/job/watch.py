@@ -21,6 +21,9 @@ ENGINE_NAMES = ("VLLM", "Worker", "EngineCore")  # vLLM's process titles; Ray's 
 RAY_TITLE = "ray::"
 RESCAN_S = 5.0  # engine processes that start later (Ray's workers) are found by looking again
 HEARTBEAT_S = 5.0  # a worker touches the heartbeat file at most this often
+END_S = 10.0  # for the killed engine's processes to be gone (a GPU's memory is freed as they exit)
+SHM = "/dev/shm"
+TRACKED = {"psm_": "shared_memory", "sem.mp-": "semaphore"}  # Python's own names there, by the tracker's kind
 
 
 class EngineWatch:
@@ -177,6 +180,35 @@ class EngineWatch:
         self._forget_heartbeat()
         self._dismiss_guard()
 
+    def end_engine(self) -> None:
+        """The engine's work is done and every file it wrote closed: kill its processes now.  vLLM's own stop
+        takes about 5 s an engine (its worker, then its engine core, each ends in its interpreter's final
+        garbage collection; vLLM kills what is left at 5 s).  Frozen first, they log nothing of each other's
+        death; vLLM's client logs one WARNING ("engine core exited unexpectedly"), in the log, after our note.
+        The shared memory they made (vLLM's message queues, multiprocessing's semaphores) is removed and
+        taken off the resource tracker's list, as their own exit would have.  Only a spawned engine of this
+        process's own (not Ray's, nor a forked one, whose tracker may be its own); else vLLM stops it."""
+        import psutil
+
+        from .guard import stop_tree
+
+        self.stop.set()  # their end is no failure
+        self._scan()
+        procs = {pid: p for pid, p in self.procs.items() if _running(p)}
+        spawned = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn"
+        if not procs or self.helpers or not spawned or not os.path.isdir(SHM):
+            return
+        with contextlib.suppress(psutil.Error):
+            procs.update((c.pid, c) for p in list(procs.values()) for c in p.children(recursive=True))
+        made = _shm_inodes(procs) - _shm_inodes([os.getpid()])
+        if self.note:
+            self.note("the engine's work is written: its processes are stopped now")
+        stop_tree(procs)
+        deadline = time.monotonic() + END_S
+        while any(_running(p) for p in procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the engine core is our child: vLLM reaps it, not this wait
+        _remove_shm(made)
+
     def _dismiss_guard(self) -> None:
         """The engine is stopped: the guard ends with nothing to do."""
         if self._guard is not None:
@@ -213,6 +245,40 @@ def _exit_with(line: str) -> None:
         print(line, file=terminal(), flush=True)
     finally:
         os._exit(1)
+
+
+def _shm_inodes(pids) -> set[int]:
+    """The inodes of the files in /dev/shm that these processes map (a semaphore's under the name it had
+    before it was linked to its own)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    fields = line.split(None, 5)
+                    if len(fields) == 6 and fields[5].startswith(f"{SHM}/"):
+                        inodes.add(int(fields[4]))
+        except (OSError, ValueError):
+            continue
+    return inodes
+
+
+def _remove_shm(inodes: set[int]) -> None:
+    """Unlink Python's shared memory and semaphores among `inodes`, and tell the resource tracker (the
+    spawned engine's is this process's), which would warn of them at its end."""
+    from multiprocessing import resource_tracker
+
+    with os.scandir(SHM) as entries:
+        found = [e for e in entries if e.inode() in inodes]
+    for entry in found:
+        kind = next((k for prefix, k in TRACKED.items() if entry.name.startswith(prefix)), None)
+        if kind is None:  # not Python's: its owner's to remove
+            continue
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            continue
+        resource_tracker.unregister("/" + entry.name.removeprefix("sem."), kind)
 
 
 def _running(proc) -> bool:
