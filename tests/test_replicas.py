@@ -1,11 +1,13 @@
 """`eagle-extract serve --replicas 2` on Ray Serve: two engines of the tiny Llama behind one endpoint, against
 speculators 0.9's own client in several threads, every row checked against transformers in float32.  Both
-replicas serve rows; one replica's engine is killed while rows are asked for: every request is still answered
-(speculators' client retries), the replica comes back, and no row is left in the spool; SIGTERM stops both."""
+replicas serve rows; a prompt's copies sent together run once, on one replica; one replica's engine is killed
+while rows are asked for: every request is still answered (speculators' client retries), the replica comes back,
+and no row is left in the spool; SIGTERM stops both."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +71,49 @@ def test_two_replicas_serve_speculators_client_transformers_states(two_replicas,
     assert all(r["rows"] > 0 for r in replicas.values()), replicas  # both served
     assert sum(r["rows"] for r in replicas.values()) >= len(rows)
     assert _row_files(two_replicas.spool) == []  # the reader deleted every file
+
+
+def test_a_prompts_copies_sent_together_run_once_on_one_replica(two_replicas, tiny_llama):
+    """The front draws a prompt's copies in flight to the replica running it, whose engine runs them once (the
+    copies get links to one file), and spreads the other prompts: 8 prompts, 4 copies of each sent together
+    behind 8 longer rows that keep both engines busy while the copies arrive."""
+    from safetensors.torch import load_file
+
+    before = _health(two_replicas)["replicas"]
+    g = torch.Generator().manual_seed(3)
+    ballast, prompts = ([torch.randint(100, 40000, (n,), generator=g).tolist() for _ in range(8)] for n in (1000, 500))
+
+    def ask(ids: list[int], barrier: threading.Barrier | None = None) -> Path:
+        if barrier:
+            barrier.wait()
+        status, answer = two_replicas.post("/completions", {"prompt": ids})
+        assert status == 200, answer
+        return Path(answer["kv_transfer_params"]["hidden_states_path"])
+
+    barrier = threading.Barrier(32)
+    with ThreadPoolExecutor(40) as pool:
+        held = [pool.submit(ask, ids) for ids in ballast]
+        time.sleep(0.3)
+        paths = list(pool.map(lambda i: ask(prompts[i % 8], barrier), range(32)))
+        held = [future.result() for future in held]
+    ref = Reference(tiny_llama)
+    for p, ids in enumerate(prompts):
+        copies = paths[p::8]
+        assert len({path.parent.parent for path in copies}) == 1, copies  # one replica's spool folder
+        assert len({path.stat().st_ino for path in copies}) == 1, copies  # run once: links to one file
+        row = load_file(str(copies[0]))
+        assert row["token_ids"].tolist() == ids
+        assert rel_err(row["hidden_states"], ref.slots(ids, LAYERS)) < 1e-4
+    for path in paths + held:
+        path.unlink()
+    deadline = time.monotonic() + 10
+    while True:  # the replicas' counts reach the tally every half second
+        after = _health(two_replicas)["replicas"]
+        rose = {r["rank"]: r["rows"] - before[replica]["rows"] for replica, r in after.items() if replica in before}
+        if sum(rose.values()) >= 40 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert sum(rose.values()) == 40 and sorted(rose) == [0, 1] and min(rose.values()) > 0, rose  # both served
 
 
 def test_a_replica_whose_engine_dies_comes_back_and_every_request_is_answered(two_replicas, tiny_llama, tmp_path):

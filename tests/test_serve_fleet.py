@@ -284,9 +284,10 @@ class _Loop:
         return 0
 
 
-def test_a_request_ray_serve_cancels_never_runs_or_has_its_row_removed(tmp_path, smollm2):
-    """Ray Serve cancels the route's task when its client goes away: before the row runs, its future is
-    cancelled (the loop drops it); once it runs, the row's file is removed as soon as it is written."""
+def test_a_request_the_front_cancels_never_runs_or_has_its_row_removed(tmp_path, smollm2):
+    """`serve --replicas`' front cancels the replica's call (routes.run_asgi) when its client goes away: before
+    the row runs, its future is cancelled (the loop drops it); once it runs, the row's file is removed as soon as
+    it is written."""
     import asyncio
     import json
 
@@ -294,7 +295,7 @@ def test_a_request_ray_serve_cancels_never_runs_or_has_its_row_removed(tmp_path,
 
     from eagle_extract.config import ServeOptions
     from eagle_extract.faces.requests import Requests
-    from eagle_extract.faces.routes import make_app
+    from eagle_extract.faces.routes import make_app, run_asgi
     from eagle_extract.files.rowfile import HEADER_BOUND
     from eagle_extract.files.spool import Spool
 
@@ -304,27 +305,14 @@ def test_a_request_ray_serve_cancels_never_runs_or_has_its_row_removed(tmp_path,
     app = make_app(loop, spool, requests, ServeOptions(), 100, None, cancelled_by_host=True)
     body = json.dumps({"model": "m", "prompt": [1, 2, 3]}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "headers": headers, "http_version": "1.1", "scheme": "http", "server": ("t", 80),
-             "client": ("c", 1), "root_path": ""}  # fmt: skip
 
     async def request(answer) -> None:
-        sent = []
-
-        async def receive():
-            if not sent:
-                sent.append(True)
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.Event().wait()  # the client says nothing more
-
-        async def send(message):
-            raise AssertionError(f"a cancelled request was answered: {message}")
-
-        task = asyncio.create_task(app(scope, receive, send))
+        task = asyncio.create_task(run_asgi(app, "POST", "/v1/completions", b"", headers, body))
         count = len(loop.futures)
         while len(loop.futures) == count:
             await asyncio.sleep(0.01)
         await answer(loop.futures[-1], task)
+        assert task.cancelled()  # not answered
 
     async def cancelled_before_it_runs(future, task) -> None:
         task.cancel()

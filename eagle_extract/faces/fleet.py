@@ -1,8 +1,10 @@
 """`serve --replicas N`: N engines behind one endpoint, as Ray Serve replicas of the one-engine server
 (serve.engine_server: the same loop, matcher, writer and routes), on this machine or on a Ray cluster.
 
-Ray Serve's proxy takes the requests on --host/--port (on every node of a cluster) and gives each to the replica
-with the fewest requests in it; the replica that runs a row answers it.  A replica whose engine fails is
+Ray Serve's proxy takes the requests on --host/--port (on every node of a cluster) and gives each to the front,
+one replica that reads its body (the proxy routes before it is read) and hands it on: a prompt in flight draws its
+copies to the replica running it (an engine runs identical prompts in flight once), any other request goes to the
+replica with the fewest rows outstanding; the replica that runs a row answers it.  A replica whose engine fails is
 restarted (its requests get 503, which speculators' client retries, and the others serve meanwhile; the new one
 sweeps the dead one's rows).  SIGTERM or Ctrl-C stops every replica, each removing its files, then the Ray of
 our own.  The replicas' lines and counts reach this process through a small actor, the tally.
@@ -10,10 +12,14 @@ our own.  The replicas' lines and counts reach this process through a small acto
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
+import hashlib
+import json
 import logging
 import os
+import random
 import signal
 import socket
 import tempfile
@@ -25,14 +31,19 @@ from pathlib import Path
 
 import ray
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import FIFOMixin, RequestRouter
+from ray.serve.exceptions import DeploymentUnavailableError
+from ray.serve.request_router import RequestRouter
+from starlette.requests import Request
+from starlette.responses import Response
 
 from ..config import ExtractConfig, ServeOptions
-from ..errors import ExtractError
+from ..errors import ExtractError, RequestError
 from ..interrupts import note_interrupt, stop_on_signals
 from ..job.engine import cpu_thread_binding, on_gpu
-from .serve import COLLECT_S, GRACE_S, PROGRESS_S, _listen, engine_server, prepare
+from .routes import _error, read_body, run_asgi
+from .serve import COLLECT_S, GRACE_S, PROGRESS_S, _listen, engine_length, engine_server, prepare
 
 APP = "eagle-extract"  # the Ray Serve application: one server per Ray cluster (its HTTP port is the cluster's)
 NAMESPACE = "eagle-extract"
@@ -42,13 +53,111 @@ HEALTH_PERIOD_S = 2.0  # how often Ray Serve asks each replica whether its engin
 STOP_S = 120.0  # a replica's own stop at the end (requests answered, files read, engine stopped) may take this
 ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "EAGLE_EXTRACT_", "MOONCAKE_")  # the replicas see ours ...
 PER_NODE = ("MOONCAKE_LOCAL_HOSTNAME", "VLLM_HOST_IP", "VLLM_PORT")  # ... but a node's own address: its own
+FRONT_SPARE = 64  # the front's requests beyond every replica's --max-requests (/health, /metrics)
+ROWS = ("/v1/completions", "/v1/chat/completions")
 
 
-class FewestRequests(FIFOMixin, RequestRouter):
-    """Each request to the replica holding the fewest (Ray Serve's queue lengths), among all of them."""
+def prompt_key(path: str, raw: bytes) -> str:
+    """Equal for requests whose prompt ids are surely equal (what an engine runs once), from what makes the ids:
+    the prompt as sent (a batch of one unwrapped) and the flags the tokenizer or chat template reads; "" (any
+    replica) for a request that is no row or no JSON object (its replica refuses it)."""
+    if path not in ROWS:
+        return ""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return ""
+    if not isinstance(body, dict):
+        return ""
+    if path == "/v1/chat/completions":
+        made = ["chat", body.get("messages"), bool(body.get("add_generation_prompt", False)),
+                bool(body.get("continue_final_message", False))]  # fmt: skip
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]  # a batch of one, as requests.py reads it
+        made = [prompt, body.get("add_special_tokens", True) is not False] if isinstance(prompt, str) else [prompt]
+    return hashlib.blake2b(json.dumps(made, sort_keys=True, separators=(",", ":")).encode(), digest_size=16).hexdigest()
+
+
+class SamePromptFewestRows(RequestRouter):
+    """The front's router (the only one sending to the replicas): a request whose prompt key is in flight goes to
+    the replica running it, where it follows that row; any other to the replica with the fewest rows this router
+    sent and has not seen answered, at random among equals.  Ray Serve asks again for a request whose replica was
+    full or refused it, so a request's earlier choice is released then."""
+
+    def initialize_state(self, **kwargs) -> None:
+        self.rows: collections.Counter = collections.Counter()  # by replica id
+        self.routed: dict = {}  # internal request id -> (replica id, prompt key, pending request)
+        self.owners: dict = {}  # prompt key -> (replica id, internal request ids)
+
+    def _release(self, request_id: str, replica_id=None) -> None:
+        routed = self.routed.get(request_id)
+        if routed is None or replica_id is not None and routed[0] != replica_id:
+            return
+        replica, key, _ = self.routed.pop(request_id)
+        self.rows[replica] -= 1
+        if key in self.owners:
+            self.owners[key][1].discard(request_id)
+            if not self.owners[key][1]:
+                del self.owners[key]
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
-        return [candidate_replicas]
+        for request_id, (_, _, pending) in list(self.routed.items()):
+            if pending.future.cancelled():  # its caller went before it was sent: no answer will release it
+                self._release(request_id)
+        request_id, key = pending_request.metadata.internal_request_id, pending_request.metadata.session_id
+        self._release(request_id)
+        pending_request.routing_context.should_backoff = True  # a replica full: wait a little, then ask again
+        alive = {r.replica_id: r for r in candidate_replicas}
+        owner = self.owners.get(key) if key else None
+        if owner is not None and owner[0] in alive:
+            chosen = alive[owner[0]]
+        else:
+            room = [r for r in candidate_replicas if self.rows[r.replica_id] < r.max_ongoing_requests]
+            if not room:
+                return []
+            fewest = min(self.rows[r.replica_id] for r in room)
+            chosen = random.choice([r for r in room if self.rows[r.replica_id] == fewest])
+            if key:
+                self.owners[key] = (chosen.replica_id, set())
+        self.routed[request_id] = (chosen.replica_id, key, pending_request)
+        self.rows[chosen.replica_id] += 1
+        if key:
+            self.owners[key][1].add(request_id)
+        return [[chosen]]
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self._release(internal_request_id, replica_id)
+
+
+class Front:
+    """The endpoint's one replica before the engines: Ray Serve's proxy routes a request before its body is read,
+    so the front reads it (refusing one past the bound, as the routes do), keys its prompt for the router, and
+    answers what the replica that ran it answered, byte for byte."""
+
+    def __init__(self, capture, longest: int) -> None:
+        self.capture, self.longest = capture, longest
+
+    async def __call__(self, request: Request) -> Response:
+        try:
+            body = await read_body(request, self.longest)
+        except RequestError as exc:
+            return _error(exc.status, str(exc), exc.param)
+        path = request.scope["path"]
+        response = self.capture.options(method_name="http", session_id=prompt_key(path, body)).remote(
+            request.method, path, request.scope["query_string"], request.headers.raw, body
+        )
+        try:
+            status, headers, content = await response
+        except asyncio.CancelledError:  # its client went away: the replica's call is not cancelled with this one
+            response.cancel()
+            raise
+        except (RayActorError, DeploymentUnavailableError) as exc:
+            return _error(503, f"the replica that held this request stopped ({type(exc).__name__}); ask again")
+        answer = Response(content, status)
+        answer.raw_headers = headers
+        return answer
 
 
 class Tally:
@@ -90,7 +199,7 @@ class Tally:
 
 
 class CaptureReplica:
-    """One replica: the one-engine server, its routes served through Ray Serve's proxy."""
+    """One replica: the one-engine server, its routes given the requests the front read."""
 
     def __init__(self, cfg: ExtractConfig, opts: ServeOptions, seen_mark: str | None) -> None:
         context = serve.get_replica_context()
@@ -120,8 +229,8 @@ class CaptureReplica:
         self.core.app.state.fleet = self.read_fleet
         threading.Thread(target=self._janitor, daemon=True, name="eagle-replica-spool").start()
 
-    def __serve_build_asgi_app__(self):
-        return self.core.app
+    async def http(self, method: str, path: str, query: bytes, headers: list, body: bytes) -> tuple[int, list, bytes]:
+        return await run_asgi(self.core.app, method, path, query, headers, body)
 
     def say(self, line: str) -> None:
         print(line, flush=True)
@@ -169,7 +278,8 @@ class CaptureReplica:
 
 def serve_replicas(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
     """`opts.replicas` engines behind one endpoint until SIGTERM or Ctrl-C; returns the exit status."""
-    prepare(cfg, opts, log)  # every check before any engine: once, here
+    shape = prepare(cfg, opts, log)[0]  # every check before any engine: once, here
+    longest = engine_length(cfg, opts, shape)[1] - 1  # the longest prompt a replica takes: the front's body bound
     if opts.spool:  # the replicas' working folder is Ray's: local paths as absolute ones
         opts = replace(opts, spool=opts.spool.resolve())
     if Path(cfg.model).exists():
@@ -199,7 +309,7 @@ def serve_replicas(cfg: ExtractConfig, opts: ServeOptions, log=print) -> int:
         _refuse_unfitting(cfg, opts)
         if opts.transfer == "file":
             mark = _mark_spool(opts)
-        return _run(cfg, opts, log, mark)
+        return _run(cfg, opts, log, mark, longest)
     finally:
         if mark:
             with contextlib.suppress(OSError):
@@ -251,14 +361,15 @@ def _mark_spool(opts: ServeOptions) -> Path:
     return mark
 
 
-def _run(cfg: ExtractConfig, opts: ServeOptions, log, mark: Path | None) -> int:
+def _run(cfg: ExtractConfig, opts: ServeOptions, log, mark: Path | None, longest: int) -> int:
     tally = ray.remote(num_cpus=0)(Tally).options(name=TALLY, namespace=NAMESPACE).remote()
     gpus = ray.cluster_resources().get("GPU", 0)
     resources = {"num_cpus": 0, "num_gpus": cfg.tp} if gpus else {"num_cpus": 0}  # a CPU: cores bound by the replica
     serve.start(http_options={"host": opts.host, "port": opts.port},
                 logging_config={"log_level": "ERROR", "enable_access_log": False})  # fmt: skip
-    deployment = serve.deployment(
-        serve.ingress()(CaptureReplica),
+    quiet = {"log_level": "WARNING", "enable_access_log": False}  # not a line a request in the logs
+    capture = serve.deployment(
+        CaptureReplica,
         name="capture",
         num_replicas=opts.replicas,
         ray_actor_options=resources,
@@ -268,14 +379,25 @@ def _run(cfg: ExtractConfig, opts: ServeOptions, log, mark: Path | None) -> int:
         graceful_shutdown_wait_loop_s=1,
         graceful_shutdown_timeout_s=GRACE_S + STOP_S,
         max_constructor_retry_count=opts.replicas,
-        request_router_config=RequestRouterConfig(request_router_class=FewestRequests),
-        logging_config={"log_level": "WARNING", "enable_access_log": False},  # not a line a request in the logs
+        request_router_config=RequestRouterConfig(request_router_class=SamePromptFewestRows),
+        logging_config=quiet,
+    )
+    front = serve.deployment(
+        Front,
+        name="front",
+        num_replicas=1,  # one router, so it sees every request in flight
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=opts.replicas * opts.max_requests + FRONT_SPARE,
+        graceful_shutdown_wait_loop_s=1,
+        graceful_shutdown_timeout_s=GRACE_S + STOP_S,  # the replicas' answers at the stop still go out through it
+        logging_config=quiet,
     )
     started: dict = {}
 
     def start() -> None:
         try:
-            serve.run(deployment.bind(cfg, opts, str(mark) if mark else None), name=APP, route_prefix="/")
+            replicas = capture.bind(cfg, opts, str(mark) if mark else None)
+            serve.run(front.bind(replicas, longest), name=APP, route_prefix="/")
             started["ok"] = True
         except Exception as exc:  # noqa: BLE001 - the replicas' own failure, from the tally, is the line shown
             started["error"] = exc

@@ -49,6 +49,16 @@ def _encodable(text: str, param: str, where: str) -> None:
         ) from None
 
 
+def body_limit(longest: int) -> int:
+    """The bytes a body may have: what a prompt of the server's `longest` tokens needs."""
+    return longest * BODY_BYTES_PER_TOKEN + BODY_SLACK
+
+
+def too_large(size: int, longest: int) -> str:
+    return (f"the request body has {size:,} bytes, more than the {body_limit(longest):,} a prompt of this server's "
+            f"longest ({longest} tokens) needs")  # fmt: skip
+
+
 class Requests:
     """Checks a request body and turns it into prompt token ids, as the engine will be given them."""
 
@@ -57,11 +67,6 @@ class Requests:
         self.name, self.tokenizer, self.longest = name, tokenizer, longest
         self.vocab, self.bytes_per_token = vocab, bytes_per_token  # vocab: the embedding's rows
         self.unparsed = unparsed  # the chat template does not parse: every chat request's answer
-        self.body_limit = longest * BODY_BYTES_PER_TOKEN + BODY_SLACK
-
-    def too_large(self, size: int) -> str:
-        return (f"the request body has {size:,} bytes, more than the {self.body_limit:,} a prompt of this server's "
-                f"longest ({self.longest} tokens) needs")  # fmt: skip
 
     def parse(self, raw: bytes) -> dict:
         """A request body as a JSON object, with no parameter the server would have to ignore."""

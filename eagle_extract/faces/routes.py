@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from ..files.rowfile import row_file_bytes
 from ..files.spool import Spool
 from ..job.continuous import STOPPING, EngineLoop
 from .mooncake import MooncakeObjects, StoreUnavailable
-from .requests import Requests
+from .requests import Requests, body_limit, too_large
 
 
 def _error(status: int, message: str, param: str | None = None):
@@ -52,10 +53,58 @@ class _Authorized:
         return await self.app(scope, receive, send)
 
 
+async def read_body(request: Request, longest: int) -> bytes:
+    """The body, refused past its bound (what a prompt of `longest` tokens needs) before it is read whole: by the
+    routes, and first by `serve --replicas`' front."""
+    limit = body_limit(longest)
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise RequestError(too_large(int(length), longest), status=413)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(too_large(size, longest), status=413)
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone while it sent its body: nothing to answer
+        raise RequestError("the client went away", status=499) from None
+    return b"".join(chunks)
+
+
 async def _client_gone(request: Request) -> None:
     """Returns once the client has closed its connection (the body is read: the next message is the close)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def run_asgi(app, method: str, path: str, query: bytes, headers: list, body: bytes) -> tuple[int, list, bytes]:
+    """One request `serve --replicas`' front read, through `app` in this process (a replica's routes): its status,
+    headers and body.  After the body the app hears nothing: a client that goes away is this call's cancellation
+    (make_app's `cancelled_by_host`)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "", "headers": headers,
+             "server": None, "client": None}  # fmt: skip
+    unread, start, chunks = [body], {}, []
+
+    async def receive() -> dict:
+        if not unread:
+            await asyncio.Event().wait()
+        return {"type": "http.request", "body": unread.pop(), "more_body": False}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            start.update(message)
+        else:
+            chunks.append(message.get("body", b""))
+
+    try:
+        await app(scope, receive, send)
+    except Exception:  # Starlette raises a route's error again after answering 500: the answer stands, logged
+        if not start:
+            raise
+        logging.getLogger(__name__).exception("a request failed (answered 500)")
+    return start["status"], start.get("headers", []), b"".join(chunks)
 
 
 def make_app(
@@ -67,8 +116,8 @@ def make_app(
     objects: MooncakeObjects | None = None,
     cancelled_by_host: bool = False,
 ):
-    """The routes of one engine.  `cancelled_by_host`: the host cancels a request whose client went away (Ray
-    Serve does), so the route does not watch the connection itself (uvicorn's case)."""
+    """The routes of one engine.  `cancelled_by_host`: the host cancels a request whose client went away (`serve
+    --replicas`' front does), so the route does not watch the connection itself (uvicorn's case)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     app.state.live = set()  # each request's give-up event: set when its client goes, or when the server stops
     app.state.cleanups = set()  # abandoned requests' cleanups, held until done
@@ -87,20 +136,8 @@ def make_app(
         return _error(exc.status_code, message.get(exc.status_code, str(exc.detail)))
 
     async def body_of(request: Request) -> dict:
-        """The body, refused past its bound before it is read whole, and parsed off the event loop."""
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > requests.body_limit:
-            raise RequestError(requests.too_large(int(length)), status=413)
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > requests.body_limit:
-                    raise RequestError(requests.too_large(size), status=413)
-                chunks.append(chunk)
-        except ClientDisconnect:  # gone while it sent its body: nothing to answer
-            raise RequestError("the client went away", status=499) from None
-        return await asyncio.to_thread(requests.parse, b"".join(chunks))
+        """The body, parsed off the event loop."""
+        return await asyncio.to_thread(requests.parse, await read_body(request, requests.longest))
 
     async def states(ids: list[int], give_up: threading.Event, futures: list) -> tuple[str, dict]:
         """The row's name and the answer's kv_transfer_params: its file's path, or its Mooncake object's manifest.
@@ -149,7 +186,7 @@ def make_app(
         gone = None if cancelled_by_host else asyncio.create_task(_client_gone(request))
         try:
             await asyncio.wait({work, gone} - {None}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # the host (Ray Serve) cancels a request whose client went away
+        except asyncio.CancelledError:  # the host (serve --replicas' front) cancels a request whose client went away
             cleanup = asyncio.get_running_loop().create_task(abandon(work, give_up, futures))
             app.state.cleanups.add(cleanup)
             cleanup.add_done_callback(app.state.cleanups.discard)

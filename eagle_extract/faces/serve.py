@@ -183,12 +183,19 @@ class Core:
             time.sleep(0.1)
 
 
+def engine_length(cfg: ExtractConfig, opts: ServeOptions, shape) -> tuple[ExtractConfig, int]:
+    """The config the engine runs and its max_model_len (the longest prompt it takes is one less)."""
+    if opts.whole_context and shape.context:  # up to SERVE_LENGTH: a 1M-token context's KV cache may not fit
+        cfg = replace(cfg, seq_length=min(shape.context - 1, SERVE_LENGTH))
+    return cfg, min(cfg.seq_length + 1, shape.context or cfg.seq_length + 1)
+
+
 @contextlib.contextmanager
 def engine_server(cfg: ExtractConfig, opts: ServeOptions, log, prepared, spool_share: float = 1.0,
                   in_replica: bool = False):  # fmt: skip
     """One engine with the capture installed, its spool folder, engine loop and routes; on leaving, the requests
     in the engine are answered, the engine stops and every file (and object) of ours is removed.
-    `spool_share`: this engine's part of --spool-bytes.  `in_replica` (a Ray Serve replica): Ray Serve cancels a
+    `spool_share`: this engine's part of --spool-bytes.  `in_replica` (a Ray Serve replica): the front cancels a
     request whose client went away (the route does not watch for it), and a dead engine leaves the process
     running, its requests answered 503, until Ray Serve replaces it."""
     shape, aux_ids, tokenizer, unparsed = prepared
@@ -201,9 +208,7 @@ def engine_server(cfg: ExtractConfig, opts: ServeOptions, log, prepared, spool_s
         limit = int((opts.spool_bytes or shutil.disk_usage(folder).free * SPOOL_SHARE) * spool_share)
         spool = Spool(folder, limit, opts.spool_ttl, spool_share)  # replicas share one spool's filesystem
         name = opts.served_model_name or cfg.model
-        if opts.whole_context and shape.context:  # up to SERVE_LENGTH: a 1M-token context's KV cache may not fit
-            cfg = replace(cfg, seq_length=min(shape.context - 1, SERVE_LENGTH))
-        max_model_len = min(cfg.seq_length + 1, shape.context or cfg.seq_length + 1)
+        cfg, max_model_len = engine_length(cfg, opts, shape)
         vocab = shape.vocab_size or len(tokenizer)  # the embedding's rows: an id past them is no token of the model's
         # max_model_len - 1: vLLM refuses a prompt of max_model_len tokens
         requests = Requests(name, tokenizer, max_model_len - 1, per_token, vocab, unparsed)
