@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -158,26 +159,35 @@ def test_rows_in_flight_count_against_the_spools_filesystem_when_it_holds_less_t
 
 PARENT = """
 import multiprocessing, os, subprocess, sys, time
+
+
+def hold(names):  # as vLLM's engine core: a spawned process makes the message queues, and the resource
+    from multiprocessing import shared_memory  # tracker (a process started with it) unlinks one once every
+    queue = shared_memory.SharedMemory(create=True, size=1 << 20)  # process holding its pipe is gone
+    names.put(queue.name)
+    time.sleep(60)
+
+
 if __name__ == "__main__":  # the spawned process below imports this file again
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     kept = subprocess.Popen(sleep)  # running before the guard: not the engine's
     guard = [sys.executable, "-I", sys.argv[1], str(os.getpid()), str(kept.pid)]
     guard = subprocess.Popen(guard, stdin=subprocess.PIPE, start_new_session=True)
-    from multiprocessing import shared_memory
-    queue = shared_memory.SharedMemory(create=True, size=1 << 20)  # as vLLM's message queues: the resource tracker
-    # (a process started now, at the engine's start) unlinks it once every process that holds its pipe is gone
-    user = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))  # holds the tracker's pipe,
-    user.start()  # as vLLM's engine core does
+    spawn = multiprocessing.get_context("spawn")
+    names = spawn.Queue()
+    user = spawn.Process(target=hold, args=(names,))
+    user.start()
+    queue = names.get(timeout=60)
     spawner = f"import subprocess, time; subprocess.Popen({sleep!r}); time.sleep(60)"
     child = subprocess.Popen([sys.executable, "-c", spawner])
     import psutil
     deadline = time.monotonic() + 30
     while not psutil.Process(child.pid).children() and time.monotonic() < deadline:  # a loaded machine is slow
         time.sleep(0.05)
-    time.sleep(1)  # the guard, looking every 0.2 s, has seen the child and its own child
+    time.sleep(3)  # the guard has seen the child and its own child (every 0.2 s), and what they map (every 2 s)
     if sys.argv[2] == "dismiss":
         guard.communicate(b"done\\n")
-    print(kept.pid, child.pid, user.pid, guard.pid, queue.name, flush=True)
+    print(kept.pid, child.pid, user.pid, guard.pid, queue, flush=True)
     time.sleep(60)
 """
 
@@ -185,7 +195,8 @@ if __name__ == "__main__":  # the spawned process below imports this file again
 def test_the_guard_stops_a_dead_parents_processes_and_nothing_else(tmp_path):
     """guard.py on its own: a parent killed with SIGKILL leaves its children and theirs stopped (a process it
     told the guard to ignore stays), and no shared memory behind: the resource tracker, spared, removes what
-    the dead registered; a parent that dismissed its guard leaves everything running."""
+    the dead registered, and the guard what they mapped where a SIGKILL to the whole group killed the tracker
+    too; a parent that dismissed its guard leaves everything running."""
     import subprocess
     import sys
 
@@ -194,7 +205,8 @@ def test_the_guard_stops_a_dead_parents_processes_and_nothing_else(tmp_path):
     def family(how: str):
         script = tmp_path / "parent.py"
         script.write_text(PARENT)
-        parent = subprocess.Popen([sys.executable, str(script), guard.__file__, how], stdout=subprocess.PIPE, text=True)
+        parent = subprocess.Popen([sys.executable, str(script), guard.__file__, how], stdout=subprocess.PIPE, text=True,
+                                  start_new_session=True)  # fmt: skip
         *pids, queue = parent.stdout.readline().split()
         kept, child, user, guard_pid = map(int, pids)
         tree = [psutil.Process(child), *psutil.Process(child).children(recursive=True)]
@@ -202,18 +214,25 @@ def test_the_guard_stops_a_dead_parents_processes_and_nothing_else(tmp_path):
         tree.append(psutil.Process(user))
         tracker = [p for p in psutil.Process(parent.pid).children() if "resource_tracker" in " ".join(p.cmdline())]
         assert len(tracker) == 1 and Path(f"/dev/shm/{queue}").exists()
-        parent.kill()
+        kept = psutil.Process(kept)
+        if how == "group":  # `kill -9 -PGID`: all but the guard, which runs in a session of its own
+            os.killpg(parent.pid, signal.SIGKILL)
+        else:
+            parent.kill()
         parent.wait()
-        return psutil.Process(kept), tree, tracker[0], guard_pid, Path(f"/dev/shm/{queue}")
+        return kept, tree, tracker[0], guard_pid, Path(f"/dev/shm/{queue}")
 
-    kept, tree, tracker, guard_pid, queue = family("die")
-    gone = [*tree, tracker, *([psutil.Process(guard_pid)] if psutil.pid_exists(guard_pid) else [])]
-    deadline = time.monotonic() + 15
-    while (any(_alive(p) for p in gone) or queue.exists()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in gone) and _alive(kept)  # the guard too: it waited for the tracker's end
-    assert not queue.exists()  # the tracker, spared, removed it before it ended
-    kept.kill()
+    for how in ("die", "group"):
+        kept, tree, tracker, guard_pid, queue = family(how)
+        gone = [*tree, tracker, *([psutil.Process(guard_pid)] if psutil.pid_exists(guard_pid) else [])]
+        deadline = time.monotonic() + 15
+        while (any(_alive(p) for p in gone) or queue.exists()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in gone)  # the guard too: it waited for the tracker's end
+        assert not queue.exists(), how  # the tracker, spared, removed it; killed with its group, the guard did
+        assert _alive(kept) == (how == "die")
+        if how == "die":
+            kept.kill()
     kept, tree, _, _, queue = family("dismiss")
     time.sleep(2)
     assert all(_alive(p) for p in tree) and _alive(kept)
@@ -235,12 +254,12 @@ def _hold_shared_memory(names) -> None:
 
 
 def test_the_shared_memory_a_killed_engine_made_is_removed_at_once(tmp_path):
-    """EngineWatch.end_engine's clean-up on its own: what a spawned process mapped in /dev/shm is found by
-    its inode and removed once the process is killed (its resource tracker would remove it only when the
-    run's process ends); a file of /dev/shm that it did not map stays."""
+    """The clean-up of EngineWatch.end_engine and of the guard on its own: what a spawned process mapped in
+    /dev/shm is found by its inode and removed once the process is killed (its resource tracker would remove
+    it only when the run's process ends); a file of /dev/shm that it did not map stays."""
     import multiprocessing
 
-    from eagle_extract.job.watch import _remove_shm, _shm_inodes
+    from eagle_extract.job.guard import remove_shm, shm_inodes
 
     ctx = multiprocessing.get_context("spawn")
     names = ctx.Queue()
@@ -250,11 +269,11 @@ def test_the_shared_memory_a_killed_engine_made_is_removed_at_once(tmp_path):
     other = Path("/dev/shm") / f"psm_eagle_test_{os.getpid()}"
     other.write_bytes(b"x")  # Python's name, not the child's: not removed
     try:
-        made = _shm_inodes([child.pid]) - _shm_inodes([os.getpid()])
+        made = shm_inodes([child.pid]) - shm_inodes([os.getpid()])
         child.kill()
         child.join()
         assert segment.exists()  # nothing removes it yet: the tracker outlives the child
-        _remove_shm(made)
+        assert remove_shm(made) == [segment.name]
         assert not segment.exists() and other.exists()
     finally:
         other.unlink()

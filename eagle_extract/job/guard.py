@@ -9,7 +9,9 @@ parent stopped its engine itself.  End of stdin without it (the parent died, its
 process noted, and any child they start meanwhile, then kills them all, but for Python's multiprocessing
 resource tracker: once the processes that used it are gone it removes the shared memory and semaphores they
 left (vLLM's message queues in /dev/shm, hundreds of MB each), then ends; the guard kills it only if it
-outlives TRACKER_S.
+outlives TRACKER_S.  What of Python's in /dev/shm the processes noted mapped (read every MAPS_S) and is still
+there then, the guard removes: a SIGKILL to the whole process group (`kill -9 -PGID`) kills the tracker too,
+but not the guard, which runs in a session of its own.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ import os
 import select
 import signal
 import sys
+import time
 
 SCAN_S = 0.2  # a process started less than this before the parent's death can be missed
 TRACKER_S = 10.0  # for the resource tracker to clean up after the processes killed, and end
 TRACKER = "from multiprocessing.resource_tracker import main;"  # its `-c` program (3.8 to 3.14)
+MAPS_S = 2.0  # how often the files the processes noted map in /dev/shm are read
+SHM = "/dev/shm"
+PYTHON_SHM = {"psm_": "shared_memory", "sem.mp-": "semaphore"}  # Python's names there, by the tracker's kind
 
 
 def _started(proc) -> float | None:
@@ -96,6 +102,40 @@ def _send(proc, *signals: int) -> None:
         pass
 
 
+def shm_inodes(pids) -> set[int]:
+    """The inodes of the files in /dev/shm that these processes map (a semaphore's under the name it had
+    before it was linked to its own)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    fields = line.split(None, 5)
+                    if len(fields) == 6 and fields[5].startswith(f"{SHM}/"):
+                        inodes.add(int(fields[4]))
+        except (OSError, ValueError):
+            continue
+    return inodes
+
+
+def remove_shm(inodes: set[int]) -> list[str]:
+    """Unlink Python's shared memory and semaphores among `inodes` (another program's file stays: its owner
+    removes it); returns the names removed."""
+    try:
+        with os.scandir(SHM) as entries:
+            found = [e for e in entries if e.name.startswith(tuple(PYTHON_SHM)) and e.inode() in inodes]
+    except OSError:  # no /dev/shm
+        return []
+    removed = []
+    for entry in found:
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            continue
+        removed.append(entry.name)
+    return removed
+
+
 def main(argv: list[str]) -> None:
     import psutil
 
@@ -104,6 +144,8 @@ def main(argv: list[str]) -> None:
     parent = psutil.Process(int(argv[0]))
     ignored = {pid: _started(pid) for pid in [*map(int, argv[1:]), os.getpid()]}
     noted: dict[int, object] = {}
+    mapped: set[int] = set()
+    looked = time.monotonic()
     stdin = sys.stdin.fileno()
     while True:
         ready, _, _ = select.select([stdin], [], [], SCAN_S)
@@ -115,11 +157,15 @@ def main(argv: list[str]) -> None:
                 break
         noted = {pid: proc for pid, proc in noted.items() if proc.is_running()}  # those gone, forgotten
         noted.update(_descendants(parent, ignored))
+        if time.monotonic() - looked > MAPS_S:
+            looked = time.monotonic()
+            mapped |= shm_inodes(noted)
         if not parent.is_running():
             break
     _, left = psutil.wait_procs(stop_tree(noted), timeout=TRACKER_S)
     for proc in left:  # another process still holds its pipe: nothing it could clean up yet
         _send(proc, signal.SIGKILL)
+    remove_shm(mapped)  # what the tracker, killed with them, could not
 
 
 if __name__ == "__main__":

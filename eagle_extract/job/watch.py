@@ -22,8 +22,6 @@ RAY_TITLE = "ray::"
 RESCAN_S = 5.0  # engine processes that start later (Ray's workers) are found by looking again
 HEARTBEAT_S = 5.0  # a worker touches the heartbeat file at most this often
 END_S = 10.0  # for the killed engine's processes to be gone (a GPU's memory is freed as they exit)
-SHM = "/dev/shm"
-TRACKED = {"psm_": "shared_memory", "sem.mp-": "semaphore"}  # Python's own names there, by the tracker's kind
 
 
 class EngineWatch:
@@ -190,7 +188,7 @@ class EngineWatch:
         process's own (not Ray's, nor a forked one, whose tracker may be its own); else vLLM stops it."""
         import psutil
 
-        from .guard import stop_tree
+        from .guard import PYTHON_SHM, SHM, remove_shm, shm_inodes, stop_tree
 
         self.stop.set()  # their end is no failure
         self._scan()
@@ -200,14 +198,18 @@ class EngineWatch:
             return
         with contextlib.suppress(psutil.Error):
             procs.update((c.pid, c) for p in list(procs.values()) for c in p.children(recursive=True))
-        made = _shm_inodes(procs) - _shm_inodes([os.getpid()])
+        made = shm_inodes(procs) - shm_inodes([os.getpid()])
         if self.note:
             self.note("the engine's work is written: its processes are stopped now")
         stop_tree(procs)
         deadline = time.monotonic() + END_S
         while any(_running(p) for p in procs.values()) and time.monotonic() < deadline:
             time.sleep(0.01)  # the engine core is our child: vLLM reaps it, not this wait
-        _remove_shm(made)
+        from multiprocessing import resource_tracker
+
+        for name in remove_shm(made):  # the spawned engine's tracker is this process's: it would warn of them
+            kind = next(k for prefix, k in PYTHON_SHM.items() if name.startswith(prefix))
+            resource_tracker.unregister("/" + name.removeprefix("sem."), kind)
 
     def _dismiss_guard(self) -> None:
         """The engine is stopped: the guard ends with nothing to do."""
@@ -245,40 +247,6 @@ def _exit_with(line: str) -> None:
         print(line, file=terminal(), flush=True)
     finally:
         os._exit(1)
-
-
-def _shm_inodes(pids) -> set[int]:
-    """The inodes of the files in /dev/shm that these processes map (a semaphore's under the name it had
-    before it was linked to its own)."""
-    inodes = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as maps:
-                for line in maps:
-                    fields = line.split(None, 5)
-                    if len(fields) == 6 and fields[5].startswith(f"{SHM}/"):
-                        inodes.add(int(fields[4]))
-        except (OSError, ValueError):
-            continue
-    return inodes
-
-
-def _remove_shm(inodes: set[int]) -> None:
-    """Unlink Python's shared memory and semaphores among `inodes`, and tell the resource tracker (the
-    spawned engine's is this process's), which would warn of them at its end."""
-    from multiprocessing import resource_tracker
-
-    with os.scandir(SHM) as entries:
-        found = [e for e in entries if e.inode() in inodes]
-    for entry in found:
-        kind = next((k for prefix, k in TRACKED.items() if entry.name.startswith(prefix)), None)
-        if kind is None:  # not Python's: its owner's to remove
-            continue
-        try:
-            os.unlink(entry.path)
-        except FileNotFoundError:
-            continue
-        resource_tracker.unregister("/" + entry.name.removeprefix("sem."), kind)
 
 
 def _running(proc) -> bool:
