@@ -334,7 +334,8 @@ class ServeOptions:
     replicas: int = option(
         1,
         help="Engines behind the one endpoint, as Ray Serve replicas of --tp GPUs each (on a CPU: an equal share of "
-        "this machine's cores each); each request goes to the replica with the fewest requests. 1: no Ray.",
+        "this machine's cores each); a prompt's copies in flight go to the replica running it, any other request to "
+        "the one with the fewest rows outstanding. 1: no Ray.",
         at_least=1,
         error="--replicas {value}: give the number of engines behind the endpoint, at least 1",
         faces=SERVE,

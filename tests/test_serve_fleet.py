@@ -281,7 +281,7 @@ def test_the_shared_memory_a_killed_engine_made_is_removed_at_once(tmp_path):
 
 class _Loop:
     """The engine loop's side of a request (no engine: what is tested is the routes' handling of a request
-    Ray Serve cancels): submit gives a future the test answers; abandoned rows are counted."""
+    the front cancels): submit gives a future the test answers; abandoned rows are counted."""
 
     def __init__(self) -> None:
         from concurrent.futures import Future

@@ -15,11 +15,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import hashlib
-import json
 import logging
 import os
-import random
 import signal
 import socket
 import tempfile
@@ -42,7 +39,8 @@ from ..config import ExtractConfig, ServeOptions
 from ..errors import ExtractError, RequestError
 from ..interrupts import note_interrupt, stop_on_signals
 from ..job.engine import cpu_thread_binding, on_gpu
-from .routes import _error, read_body, run_asgi
+from . import routing
+from .routes import WRONG_KEY, _error, authorized, read_body, run_asgi
 from .serve import COLLECT_S, GRACE_S, PROGRESS_S, _listen, engine_length, engine_server, prepare
 
 APP = "eagle-extract"  # the Ray Serve application: one server per Ray cluster (its HTTP port is the cluster's)
@@ -54,98 +52,39 @@ STOP_S = 120.0  # a replica's own stop at the end (requests answered, files read
 ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "EAGLE_EXTRACT_", "MOONCAKE_")  # the replicas see ours ...
 PER_NODE = ("MOONCAKE_LOCAL_HOSTNAME", "VLLM_HOST_IP", "VLLM_PORT")  # ... but a node's own address: its own
 FRONT_SPARE = 64  # the front's requests beyond every replica's --max-requests (/health, /metrics)
-ROWS = ("/v1/completions", "/v1/chat/completions")
-
-
-def prompt_key(path: str, raw: bytes) -> str:
-    """Equal for requests whose prompt ids are surely equal (what an engine runs once), from what makes the ids:
-    the prompt as sent (a batch of one unwrapped) and the flags the tokenizer or chat template reads; "" (any
-    replica) for a request that is no row or no JSON object (its replica refuses it)."""
-    if path not in ROWS:
-        return ""
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        return ""
-    if not isinstance(body, dict):
-        return ""
-    if path == "/v1/chat/completions":
-        made = ["chat", body.get("messages"), bool(body.get("add_generation_prompt", False)),
-                bool(body.get("continue_final_message", False))]  # fmt: skip
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
-            prompt = prompt[0]  # a batch of one, as requests.py reads it
-        made = [prompt, body.get("add_special_tokens", True) is not False] if isinstance(prompt, str) else [prompt]
-    return hashlib.blake2b(json.dumps(made, sort_keys=True, separators=(",", ":")).encode(), digest_size=16).hexdigest()
 
 
 class SamePromptFewestRows(RequestRouter):
-    """The front's router (the only one sending to the replicas): a request whose prompt key is in flight goes to
-    the replica running it, where it follows that row; any other to the replica with the fewest rows this router
-    sent and has not seen answered, at random among equals.  Ray Serve asks again for a request whose replica was
-    full or refused it, so a request's earlier choice is released then."""
-
-    def initialize_state(self, **kwargs) -> None:
-        self.rows: collections.Counter = collections.Counter()  # by replica id
-        self.routed: dict = {}  # internal request id -> (replica id, prompt key, pending request)
-        self.owners: dict = {}  # prompt key -> (replica id, internal request ids)
-
-    def _release(self, request_id: str, replica_id=None) -> None:
-        routed = self.routed.get(request_id)
-        if routed is None or replica_id is not None and routed[0] != replica_id:
-            return
-        replica, key, _ = self.routed.pop(request_id)
-        self.rows[replica] -= 1
-        if key in self.owners:
-            self.owners[key][1].discard(request_id)
-            if not self.owners[key][1]:
-                del self.owners[key]
+    """The router of the front's handle to the replicas (the only way requests reach them): the choice is the
+    ledger's; the front sends each request's prompt key and its own token as the session id."""
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
-        for request_id, (_, _, pending) in list(self.routed.items()):
-            if pending.future.cancelled():  # its caller went before it was sent: no answer will release it
-                self._release(request_id)
-        request_id, key = pending_request.metadata.internal_request_id, pending_request.metadata.session_id
-        self._release(request_id)
-        pending_request.routing_context.should_backoff = True  # a replica full: wait a little, then ask again
-        alive = {r.replica_id: r for r in candidate_replicas}
-        owner = self.owners.get(key) if key else None
-        if owner is not None and owner[0] in alive:
-            chosen = alive[owner[0]]
-        else:
-            room = [r for r in candidate_replicas if self.rows[r.replica_id] < r.max_ongoing_requests]
-            if not room:
-                return []
-            fewest = min(self.rows[r.replica_id] for r in room)
-            chosen = random.choice([r for r in room if self.rows[r.replica_id] == fewest])
-            if key:
-                self.owners[key] = (chosen.replica_id, set())
-        self.routed[request_id] = (chosen.replica_id, key, pending_request)
-        self.rows[chosen.replica_id] += 1
-        if key:
-            self.owners[key][1].add(request_id)
-        return [[chosen]]
-
-    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self._release(internal_request_id, replica_id)
+        if pending_request is None or not candidate_replicas:
+            return [candidate_replicas]
+        key, _, token = (pending_request.metadata.session_id or "").partition(" ")
+        pending_request.routing_context.should_backoff = True  # every replica full: wait a little, ask again
+        chosen = routing.LEDGER.choose(token, key, candidate_replicas)
+        return [[chosen]] if chosen is not None else []
 
 
 class Front:
     """The endpoint's one replica before the engines: Ray Serve's proxy routes a request before its body is read,
-    so the front reads it (refusing one past the bound, as the routes do), keys its prompt for the router, and
-    answers what the replica that ran it answered, byte for byte."""
+    so the front reads it (refusing a wrong API key, then a body past the bound, as the routes do), keys its
+    prompt for the router, and answers what the replica that ran it answered, byte for byte."""
 
-    def __init__(self, capture, longest: int) -> None:
-        self.capture, self.longest = capture, longest
+    def __init__(self, capture, longest: int, api_key: str | None) -> None:
+        self.capture, self.longest, self.api_key = capture, longest, api_key
 
     async def __call__(self, request: Request) -> Response:
+        if self.api_key and not authorized(request.scope, self.api_key):
+            return _error(401, WRONG_KEY)
         try:
             body = await read_body(request, self.longest)
         except RequestError as exc:
             return _error(exc.status, str(exc), exc.param)
-        path = request.scope["path"]
-        response = self.capture.options(method_name="http", session_id=prompt_key(path, body)).remote(
+        path, token = request.scope["path"], uuid.uuid4().hex
+        session = f"{routing.prompt_key(path, body)} {token}"  # what the router reads
+        response = self.capture.options(method_name="http", session_id=session).remote(
             request.method, path, request.scope["query_string"], request.headers.raw, body
         )
         try:
@@ -155,6 +94,8 @@ class Front:
             raise
         except (RayActorError, DeploymentUnavailableError) as exc:
             return _error(503, f"the replica that held this request stopped ({type(exc).__name__}); ask again")
+        finally:
+            routing.LEDGER.end(token)
         answer = Response(content, status)
         answer.raw_headers = headers
         return answer
@@ -397,7 +338,7 @@ def _run(cfg: ExtractConfig, opts: ServeOptions, log, mark: Path | None, longest
     def start() -> None:
         try:
             replicas = capture.bind(cfg, opts, str(mark) if mark else None)
-            serve.run(front.bind(replicas, longest), name=APP, route_prefix="/")
+            serve.run(front.bind(replicas, longest, opts.api_key), name=APP, route_prefix="/")
             started["ok"] = True
         except Exception as exc:  # noqa: BLE001 - the replicas' own failure, from the tally, is the line shown
             started["error"] = exc

@@ -35,21 +35,26 @@ def _error(status: int, message: str, param: str | None = None):
     return JSONResponse({"error": body}, status_code=status, headers=headers)
 
 
+WRONG_KEY = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+
+
+def authorized(scope, key: str) -> bool:
+    """The request carries `Authorization: Bearer <key>` (the scheme in any case, the key compared in constant
+    time): by the routes, and first by `serve --replicas`' front."""
+    scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
+
+
 class _Authorized:
-    """Every request must carry `Authorization: Bearer <key>` (the scheme in any case, the key compared in
-    constant time).  Plain ASGI, not a Starlette middleware: it passes the connection's own `receive` on, so a
-    client that goes away is seen by the route."""
+    """Every request must carry the API key.  Plain ASGI, not a Starlette middleware: it passes the connection's
+    own `receive` on, so a client that goes away is seen by the route."""
 
     def __init__(self, app, key: str) -> None:
-        self.app, self.key = app, key.encode()
+        self.app, self.key = app, key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                response = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-                return await response(scope, receive, send)
+        if scope["type"] == "http" and not authorized(scope, self.key):
+            return await _error(401, WRONG_KEY)(scope, receive, send)
         return await self.app(scope, receive, send)
 
 

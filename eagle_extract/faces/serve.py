@@ -248,7 +248,7 @@ def engine_server(cfg: ExtractConfig, opts: ServeOptions, log, prepared, spool_s
                     objects.close()
                 watch.stop.set()  # before the engine goes: its processes end now, and that is no failure
                 if not (loop.is_alive() or loop.failed):  # every request answered: nothing of the engine's is owed
-                    watch.end_engine()
+                    watch.end_engine(cfg.engine_args.get("distributed_executor_backend"))
                 loop.llm = llm = None  # vLLM stops its engine now, into the log, not after our last line
                 gc.collect()
                 watch.reap()

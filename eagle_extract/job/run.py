@@ -180,7 +180,7 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
             tokenizing.stop()
         watch.stop.set()  # before the engine goes: its processes end now
         if written and llm is not None:
-            watch.end_engine()  # at once, not in vLLM's ~5 s
+            watch.end_engine(plan.cfg.engine_args.get("distributed_executor_backend"))  # not in vLLM's ~5 s
         llm = None  # the engine stops now, into the run's log (frames vLLM's imports keep alive would hold it)
     missing = sorted(pending)
     if missing:

@@ -178,14 +178,16 @@ class EngineWatch:
         self._forget_heartbeat()
         self._dismiss_guard()
 
-    def end_engine(self) -> None:
+    def end_engine(self, executor: str | None) -> None:
         """The engine's work is done and every file it wrote closed: kill its processes now.  vLLM's own stop
         takes about 5 s an engine (its worker, then its engine core, each ends in its interpreter's final
         garbage collection; vLLM kills what is left at 5 s).  Frozen first, they log nothing of each other's
         death; vLLM's client logs one WARNING ("engine core exited unexpectedly"), in the log, after our note.
         The shared memory they made (vLLM's message queues, multiprocessing's semaphores) is removed and
         taken off the resource tracker's list, as their own exit would have.  Only a spawned engine of this
-        process's own (not Ray's, nor a forked one, whose tracker may be its own); else vLLM stops it."""
+        process's own on vLLM's multiprocessing executor (`executor`: the run's distributed_executor_backend,
+        None for vLLM's choice): Ray's workers may be on other machines, and a forked engine's tracker may be its
+        own; vLLM stops those."""
         import psutil
 
         from .guard import PYTHON_SHM, SHM, remove_shm, shm_inodes, stop_tree
@@ -194,7 +196,8 @@ class EngineWatch:
         self._scan()
         procs = {pid: p for pid, p in self.procs.items() if _running(p)}
         spawned = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn"
-        if not procs or self.helpers or not spawned or not os.path.isdir(SHM):
+        ours = executor in (None, "mp", "uni") and not self.helpers and not any(_ray(p) for p in procs.values())
+        if not procs or not ours or not spawned or not os.path.isdir(SHM):
             return
         with contextlib.suppress(psutil.Error):
             procs.update((c.pid, c) for p in list(procs.values()) for c in p.children(recursive=True))
@@ -207,9 +210,10 @@ class EngineWatch:
             time.sleep(0.01)  # the engine core is our child: vLLM reaps it, not this wait
         from multiprocessing import resource_tracker
 
-        for name in remove_shm(made):  # the spawned engine's tracker is this process's: it would warn of them
-            kind = next(k for prefix, k in PYTHON_SHM.items() if name.startswith(prefix))
-            resource_tracker.unregister("/" + name.removeprefix("sem."), kind)
+        with contextlib.suppress(OSError):  # a clean-up that fails leaves the tracker to it: no error of the run
+            for name in remove_shm(made):  # the spawned engine's tracker is this process's: it would warn of them
+                kind = next(k for prefix, k in PYTHON_SHM.items() if name.startswith(prefix))
+                resource_tracker.unregister("/" + name.removeprefix("sem."), kind)
 
     def _dismiss_guard(self) -> None:
         """The engine is stopped: the guard ends with nothing to do."""
@@ -247,6 +251,16 @@ def _exit_with(line: str) -> None:
         print(line, file=terminal(), flush=True)
     finally:
         os._exit(1)
+
+
+def _ray(proc) -> bool:
+    """A process of Ray's (vLLM's Ray workers are titled `ray::RayWorkerWrapper`)."""
+    import psutil
+
+    try:
+        return RAY_TITLE in " ".join([proc.name(), *proc.cmdline()])
+    except psutil.Error:
+        return False
 
 
 def _running(proc) -> bool:
