@@ -100,9 +100,8 @@ class EngineWatch:
         for proc in psutil.Process().children(recursive=True):
             if proc.pid in self.procs or proc.pid in self.helpers or proc.pid in self._before:
                 continue
-            try:
-                title = " ".join([proc.name(), *proc.cmdline()])
-            except psutil.Error:
+            title = _title(proc)
+            if title is None:
                 continue
             if any(n in title for n in ENGINE_NAMES):
                 self.procs[proc.pid] = proc
@@ -253,14 +252,19 @@ def _exit_with(line: str) -> None:
         os._exit(1)
 
 
-def _ray(proc) -> bool:
-    """A process of Ray's (vLLM's Ray workers are titled `ray::RayWorkerWrapper`)."""
+def _title(proc) -> str | None:
+    """Its name and command line, which vLLM's and Ray's process titles show in; None once it is gone."""
     import psutil
 
     try:
-        return RAY_TITLE in " ".join([proc.name(), *proc.cmdline()])
+        return " ".join([proc.name(), *proc.cmdline()])
     except psutil.Error:
-        return False
+        return None
+
+
+def _ray(proc) -> bool:
+    """A process of Ray's (vLLM's Ray workers are titled `ray::RayWorkerWrapper`)."""
+    return RAY_TITLE in (_title(proc) or "")
 
 
 def _running(proc) -> bool:
