@@ -16,6 +16,9 @@
 # MEASURE_ARGS adds check_draft.py options (e.g. "--temperature 0.7" for sampled decoding, "--num-spec 3": every
 # method proposes that many tokens a step; by default each draft its own count); MODES its modes for the offline
 # drafts (default plain,KINDS,ngram; the online drafts: their kinds alone).
+# WORKERS (default 4) is speculators' --num-workers, its loader workers, offline and online alike: online each holds one
+# row in flight. Each trainer's console goes to WORK/train[-online]-KIND.log too, and after the online stage
+# train/trainer_wait.py compares the two trainers' wait for data per epoch (WORK/trainer_wait-KIND.json).
 # EXTRACT_ARGS adds eagle-extract options (e.g. "--engine-arg gpu_memory_utilization=0.5" to share the GPU).
 # TEMPERATURE (default 0.7) samples the answers; lower is closer to the greedy decoding measured at the end
 # (0: greedy, then COPIES=1). SYNTH=N adds N distinct prompts the model writes itself (synthesize_prompts.py).
@@ -25,6 +28,8 @@ work=${2:?usage: end_to_end.sh DATA_DIR WORK [COPIES] [EPOCHS]}
 copies=${3:-4}
 epochs=${4:-10}
 stages=${STAGES:-extract,train,measure}
+workers=${WORKERS:-4}
+wide=4000  # COLUMNS for the trainers: speculators' console (rich) would wrap a step's record; trainer_wait.py reads it whole
 IFS=, read -r -a kinds <<< "${KINDS:-eagle3}"
 for i in "${!kinds[@]}"; do  # checked before any stage: a misspelt kind would fail only after the extraction
   kinds[i]=${kinds[i]// /}
@@ -63,9 +68,9 @@ if [[ $stages == *train* ]]; then
 # ("ListVariable ... is already tracked for mutation" in fused_kl_div_loss's backward).
 for kind in "${kinds[@]}"; do
   step "train $kind"
-  python3 train/train_draft.py "$work/out" --save-path "$(folder "$kind" draft)" --speculator-type "$kind" \
-    --draft-vocab-size 8192 --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers 4 \
-    --loss-implementation eager --checkpoint-freq 0.25
+  COLUMNS=$wide python3 train/train_draft.py "$work/out" --save-path "$(folder "$kind" draft)" --speculator-type "$kind" \
+    --draft-vocab-size 8192 --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers "$workers" \
+    --loss-implementation eager --checkpoint-freq 0.25 2>&1 | tee "$work/train-$kind.log"
 done
 fi
 
@@ -93,11 +98,13 @@ done
 grep '^serving http' "$work/serve.log"
 for kind in "${kinds[@]}"; do
   start=$(date +%s)
-  python3 train/train_draft.py "$work/out-online" --save-path "$(folder "$kind" draft-online)" \
-    --speculator-type "$kind" --draft-vocab-size 8192 --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers 4 \
+  COLUMNS=$wide python3 train/train_draft.py "$work/out-online" --save-path "$(folder "$kind" draft-online)" \
+    --speculator-type "$kind" --draft-vocab-size 8192 --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers "$workers" \
     --loss-implementation eager --checkpoint-freq 0.25 --vllm-endpoint "http://127.0.0.1:$port/v1" \
-    --hidden-states-backend file
+    --hidden-states-backend file 2>&1 | tee "$work/train-online-$kind.log"
   echo "online training, $kind: $(( $(date +%s) - start )) s"
+  [ -f "$work/train-$kind.log" ] && python3 train/trainer_wait.py "$work/train-$kind.log" "$work/train-online-$kind.log" \
+    --json "$work/trainer_wait-$kind.json"
 done
 trap - EXIT
 kill -TERM $server 2>/dev/null || true
