@@ -127,8 +127,8 @@ def mixed_conversations(tmp_path_factory) -> Path:
     return write_mixed_conversations(tmp_path_factory.mktemp("data") / "mixed.jsonl")
 
 
-def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_cli(*args: str, check: bool = True, tmpdir: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"TMPDIR": str(tmpdir)} if tmpdir else {})}
     proc = subprocess.run([sys.executable, "-m", "eagle_extract", *args], capture_output=True, text=True, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"eagle-extract failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -136,8 +136,11 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def extract(tmp_path_factory, model: Path, data: Path, *args: str) -> Path:
+    """The output of one run, in OUT/extraction; OUT/tmp is its temp folder."""
     out = tmp_path_factory.mktemp("out") / "extraction"
-    proc = run_cli("--model", str(model), "--data", str(data), "--output", str(out), *args, check=False)
+    (out.parent / "tmp").mkdir()
+    proc = run_cli("--model", str(model), "--data", str(data), "--output", str(out), *args, check=False,
+                   tmpdir=out.parent / "tmp")  # fmt: skip
     if proc.returncode != 0:
         logfile = out / "eagle_extract.log"
         log = logfile.read_text() if logfile.is_file() else ""

@@ -92,9 +92,12 @@ def test_smollm2_fp32_matches_transformers(smollm2_fp32_out, smollm2):
 
 def test_the_engine_is_stopped_once_its_rows_are_written(smollm2_fp32_out):
     """The run stops its engine's processes itself once its rows are written (vLLM's own stop takes about 5 s;
-    the removal of their shared memory: tests/test_serve_fleet.py), and says so in its log."""
+    the removal of their shared memory: tests/test_serve_fleet.py), and says so in its log.  vLLM's ZMQ sockets
+    (7 an engine here, which vLLM leaves in the temp folder) are made in a folder of the run's and go with it."""
     log = (smollm2_fp32_out / "eagle_extract.log").read_text()
     assert "the engine's work is written: its processes are stopped now" in log
+    left = [p.name for p in (smollm2_fp32_out.parent / "tmp").rglob("*") if p.is_socket() or p.name.startswith("eagle")]
+    assert not left
 
 
 def test_batch_really_spanned_several_steps(smollm2_fp32_out):

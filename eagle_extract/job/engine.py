@@ -9,8 +9,11 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shutil
 import signal
+import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 from ..config import ExtractConfig
@@ -76,6 +79,7 @@ def on_gpu() -> bool:
 
 
 _PER_RUN = ("TRITON_F32_DEFAULT", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")  # set for one engine
+IPC_ENV = "VLLM_RPC_BASE_PATH"  # where vLLM's processes make their ZMQ sockets (default: the temp folder)
 
 
 def prepare_environment(tp: int, pp: int, dtype: str = "auto") -> None:
@@ -310,14 +314,17 @@ def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
         # eagle-extract tokenizes itself; without a tokenizer the engine builds no multimodal processor, which
         # for a wrapper can be the release's remote code (Kimi-K2.5's image processor on vLLM 0.20-0.23)
         extra = {"skip_tokenizer_init": True, **extra}
-    before = {k: os.environ.get(k) for k in _PER_RUN}
+    before = {k: os.environ.get(k) for k in (*_PER_RUN, IPC_ENV)}
     prepare_environment(cfg.tp, cfg.pp, cfg.dtype)
     from vllm import LLM
 
     extra = {**room_for_capture(extra), **whole_prompts(extra, max_model_len, cfg.tp * cfg.pp), **extra}
+    sockets = None
+    if not before[IPC_ENV]:  # vLLM leaves the sockets it makes there: a folder of ours instead, gone with the engine
+        sockets = os.environ[IPC_ENV] = tempfile.mkdtemp(prefix="eagle-extract-vllm-")
     try:
         with _signals_stop_the_start():
-            return LLM(
+            llm = LLM(
                 model=cfg.model,
                 tensor_parallel_size=cfg.tp,
                 pipeline_parallel_size=cfg.pp,
@@ -327,9 +334,16 @@ def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
                 **FIXED_ARGS,
                 **extra,
             )
+    except BaseException:
+        if sockets:
+            shutil.rmtree(sockets, ignore_errors=True)
+        raise
     finally:  # the engine's processes have them now; the next run in this process sets its own
         for key, value in before.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+    if sockets:  # once the engine is let go, or when this process exits
+        weakref.finalize(llm, shutil.rmtree, sockets, ignore_errors=True)
+    return llm
