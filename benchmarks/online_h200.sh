@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # benchmarks/online.py on one GPU, inside scripts/gpu_run.sh (any release's lock, with gpu/requirements-train.lock's wheels):
-# the bundled SmolLM2, or the Llama-3.1-8B shape with dummy weights and SmolLM2's
-# tokenizer; spools on tmpfs (/dev/shm) and on the machine's disk (the repository's folder).
-#   LOCK=gpu/requirements-gpu-vllm-0.26.0.lock bash scripts/gpu_run.sh /tmp/pieces bash benchmarks/online_h200.sh smollm2|llama8b OUT [shm|disk|mooncake]
+# the bundled SmolLM2, or with dummy weights and SmolLM2's tokenizer the Llama-3.1-8B shape or Kimi-K2.5's text
+# widths cut to 4 layers (kimi4l: bf16 experts, about 105 GB, so an H200; slots 1, 2, 3 and the final one;
+# PROMPT_LEN=2048 as the offline figures at these widths); spools on tmpfs (/dev/shm) and on the machine's disk
+# (the repository's folder).
+#   LOCK=gpu/requirements-gpu-vllm-0.26.0.lock bash scripts/gpu_run.sh /tmp/pieces bash benchmarks/online_h200.sh smollm2|llama8b|kimi4l OUT [shm|disk|mooncake]
 # CLIENTS=N: client processes (default 12, speculators' data-loader workers of one rank; 8 ranks keep 96 rows in flight).
 # ROWS, PROMPT_LEN, REPS: the rows, their tokens and the passes (default 256, 1,024 and 2); FP8=1: FP8 storage.
 # (one spool: a call of 600 s holds one; both without the third argument).  `mooncake`: the file transfer and
@@ -10,7 +12,7 @@
 # Mooncake's cp312 wheel in .whl/ too (mooncake_transfer_engine*.whl; it links libibverbs.so.1, which the
 # image lacks: Debian's libibverbs1, libnl-3-200 and libnl-route-3-200 unpacked with `dpkg -x` into .whl/lib).
 set -euo pipefail
-which=${1:?smollm2 or llama8b}
+which=${1:?smollm2, llama8b or kimi4l}
 out=${2:?folder for the JSON}
 only=${3:-both}
 if [ "$only" = mooncake ]; then
@@ -21,16 +23,23 @@ if [ "$only" = mooncake ]; then
 fi
 disk=$PWD/spool-disk
 mkdir -p /dev/shm/spool "$disk"
-if [ "$which" = llama8b ]; then
-  model=/tmp/llama-3.1-8b
-  mkdir -p $model && cp benchmarks/configs/llama-3.1-8b/config.json $model/
-  python3 -c "import shutil, pathlib, sys; from eagle_extract.smollm2 import ensure_smollm2
+dummy() {  # dummy MODEL CONFIG [LAYERS]: the config (cut to LAYERS layers) and SmolLM2's tokenizer in MODEL
+  mkdir -p "$1"
+  python3 -c "import json, pathlib, shutil, sys; from eagle_extract.smollm2 import ensure_smollm2
+config = json.load(open(sys.argv[2]))
+if len(sys.argv) > 3:
+    config['num_hidden_layers'] = int(sys.argv[3])
+json.dump(config, open(sys.argv[1] + '/config.json', 'w'))
 src = ensure_smollm2()
-[shutil.copy(f, sys.argv[1]) for f in pathlib.Path(src).iterdir() if f.name.startswith('tokenizer') or f.suffix == '.jinja']" $model
-  args=(--model $model --dummy)
-else
-  args=(--model smollm2)
-fi
+[shutil.copy(f, sys.argv[1]) for f in pathlib.Path(src).iterdir() if f.name.startswith('tokenizer') or f.suffix == '.jinja']" "$@"
+}
+case $which in
+  llama8b) dummy /tmp/llama-3.1-8b benchmarks/configs/llama-3.1-8b/config.json && args=(--model /tmp/llama-3.1-8b --dummy) ;;
+  kimi4l) dummy /tmp/kimi-k2.5-text-4l benchmarks/configs/kimi-k2.5-text/config.json 4 \
+            && args=(--model /tmp/kimi-k2.5-text-4l --dummy --extra='--layers 1,2,3') ;;
+  smollm2) args=(--model smollm2) ;;
+  *) echo "online_h200.sh: $which: give smollm2, llama8b or kimi4l" >&2; exit 1 ;;
+esac
 spools=(--spool /dev/shm/spool --spool "$disk")
 [ "$only" = shm ] && spools=(--spool /dev/shm/spool)
 [ "$only" = disk ] && spools=(--spool "$disk")
