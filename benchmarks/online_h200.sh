@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # benchmarks/online.py on one GPU, inside scripts/gpu_run.sh (any release's lock, with gpu/requirements-train.lock's wheels):
 # the bundled SmolLM2, or with dummy weights and SmolLM2's tokenizer the Llama-3.1-8B shape or Kimi-K2.5's text
-# widths cut to 4 layers (kimi4l: bf16 experts, about 105 GB, so an H200; slots 1, 2, 3 and the final one;
-# PROMPT_LEN=2048 as the offline figures at these widths); spools on tmpfs (/dev/shm) and on the machine's disk
+# widths cut to 4 layers (kimi4l: bf16 experts, about 108 GB, so an H200; slots 1, 2, 3 and the final one; pass
+# PROMPT_LEN=2048 for the rows of the offline figures at these widths); spools on tmpfs (/dev/shm) and on the machine's disk
 # (the repository's folder).
 #   LOCK=gpu/requirements-gpu-vllm-0.26.0.lock bash scripts/gpu_run.sh /tmp/pieces bash benchmarks/online_h200.sh smollm2|llama8b|kimi4l OUT [shm|disk|mooncake]
 # CLIENTS=N: client processes (default 12, speculators' data-loader workers of one rank; 8 ranks keep 96 rows in flight).
@@ -34,9 +34,10 @@ src = ensure_smollm2()
 [shutil.copy(f, sys.argv[1]) for f in pathlib.Path(src).iterdir() if f.name.startswith('tokenizer') or f.suffix == '.jinja']" "$@"
 }
 case $which in
-  llama8b) dummy /tmp/llama-3.1-8b benchmarks/configs/llama-3.1-8b/config.json && args=(--model /tmp/llama-3.1-8b --dummy) ;;
-  kimi4l) dummy /tmp/kimi-k2.5-text-4l benchmarks/configs/kimi-k2.5-text/config.json 4 \
-            && args=(--model /tmp/kimi-k2.5-text-4l --dummy --extra='--layers 1,2,3') ;;
+  llama8b) dummy /tmp/llama-3.1-8b benchmarks/configs/llama-3.1-8b/config.json
+           args=(--model /tmp/llama-3.1-8b --dummy) ;;
+  kimi4l) dummy /tmp/kimi-k2.5-text-4l benchmarks/configs/kimi-k2.5-text/config.json 4
+          args=(--model /tmp/kimi-k2.5-text-4l --dummy --extra='--layers 1,2,3') ;;
   smollm2) args=(--model smollm2) ;;
   *) echo "online_h200.sh: $which: give smollm2, llama8b or kimi4l" >&2; exit 1 ;;
 esac

@@ -11,6 +11,7 @@ from eagle_extract.job.engine import (
     _default_step_budget,
     cpu_thread_binding,
     on_gpu,
+    own_socket_folder,
     plain_cpu,
     prepare_environment,
     whole_prompts,
@@ -71,3 +72,19 @@ def test_prompts_are_prefilled_whole_only_where_the_step_budget_holds_them_and_t
     assert whole_prompts({"enable_chunked_prefill": True}, 2049, 1) == {}  # the user's choice
     assert whole_prompts({"long_prefill_token_threshold": 16}, 2049, 1) == {}  # chunks prompts on its own
     assert whole_prompts({"max_num_scheduled_tokens": 1024}, 2049, 1) == {}  # a longer prompt would never run
+
+
+def test_vllms_sockets_go_in_a_folder_of_the_runs_only_where_that_works(monkeypatch, tmp_path):
+    """A socket's path is FOLDER/UUID, at most 107 characters for ZMQ; a user's own folder wins; an engine core
+    in this process caches the setting, so a later engine would look in a folder already removed."""
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setattr("tempfile.tempdir", "/tmp")
+    assert own_socket_folder(None) and own_socket_folder("")
+    assert not own_socket_folder("/run/mine")
+    monkeypatch.setattr("tempfile.tempdir", "/t" + "x" * 56)  # 58 characters: the longest that leaves room
+    assert own_socket_folder(None)
+    monkeypatch.setattr("tempfile.tempdir", "/t" + "x" * 57)
+    assert not own_socket_folder(None)
+    monkeypatch.setattr("tempfile.tempdir", "/tmp")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert not own_socket_folder(None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -414,3 +415,51 @@ def test_end_to_end_measures_only_when_every_kind_has_a_trained_draft(tmp_path):
         "KINDS=eagle3,dflash"
     ), proc.stderr
     assert not list(work.glob("check_*.json"))
+
+
+# speculators' own console handlers print a trainer's records as train/end_to_end.sh keeps them (a wide console, the
+# padding squeezed): each step's profile (fetch_ms is the wait for its batch), and the line before a checkpoint save.
+TRAINER_CONSOLE = r"""
+import logging, sys
+from speculators.train.logger import setup_metric_logger, setup_root_logger
+setup_root_logger()
+setup_metric_logger("", "run", sys.argv[1])
+metrics = logging.getLogger("speculators.metrics")
+for step, (epoch, fetch_ms, step_ms) in enumerate([(0, 5.0, 80000.0), (0, 20.0, 60.0), (1, 30.0, 70.0),
+                                                   (1, 900.0, 950.0), (1, 50.0, 90.0), (2, 40.0, 80.0)]):
+    if step == 3:
+        logging.getLogger().info("Saving checkpoint to /drafts/1")
+    profile = {"fetch_ms": fetch_ms, "step_ms": step_ms, "memory_mb": {"start": 1.0}}
+    record = {"train": {"loss": 2.5}, "profile": profile, "epoch": epoch, "lr": 0.001, "global_step": step}
+    metrics.info(record, extra={"step": step})
+metrics.info({"val": {"loss_epoch": 9.7}, "epoch": 1})
+"""
+
+
+def test_the_trainers_wait_for_data_is_read_from_speculators_own_console(tmp_path):
+    """Per epoch, the steps' fetch_ms summed, a step after a checkpoint save left out (the save is in its fetch),
+    the mean after the first epoch (the trainer's warm-up); colours that FORCE_COLOR puts in are read through; a
+    record the console's width cut is one line naming the fix."""
+    wide = {"COLUMNS": "4000"}
+    consoles = {"wide": wide, "colour": {**wide, "FORCE_COLOR": "1"}, "narrow": {"COLUMNS": "100"}}
+    running = {
+        name: subprocess.Popen([sys.executable, "-c", TRAINER_CONSOLE, str(tmp_path)], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})
+        for name, env in consoles.items()
+    }  # fmt: skip
+    logs = {name: tmp_path / f"{name}.log" for name in consoles}
+    for name, proc in running.items():
+        printed = proc.communicate()[0]
+        assert proc.returncode == 0, printed
+        logs[name].write_text(re.sub(" {8,}", "   ", printed))
+    got = run_script("trainer_wait.py", str(logs["wide"]), str(logs["colour"]), "--json", str(tmp_path / "w.json"))
+    assert got.returncode == 0, got.stderr
+    figures = json.loads((tmp_path / "w.json").read_text())
+    counted = [(e["epoch"], e["steps"], e["left_out"]) for e in figures["offline"]["epochs"]]
+    assert counted == [(0, 2, 0), (1, 2, 1), (2, 1, 0)]
+    assert figures["offline"]["epochs"][1]["waiting_s"] == pytest.approx(0.08)
+    assert figures["offline"]["waiting_s_after_first"] == pytest.approx((0.08 + 0.04) / 2)
+    assert figures["online"] == {**figures["offline"], "log": str(logs["colour"])}
+    assert "online 0.06 s (1.00x offline's; +0.00 s)" in got.stdout
+    cut = run_script("trainer_wait.py", str(logs["narrow"]))
+    assert cut.returncode == 1 and "a step's record is cut" in cut.stderr and "COLUMNS=4000" in cut.stderr

@@ -30,6 +30,7 @@ epochs=${4:-10}
 stages=${STAGES:-extract,train,measure}
 workers=${WORKERS:-4}
 wide=4000  # COLUMNS for the trainers: speculators' console (rich) would wrap a step's record; trainer_wait.py reads it whole
+squeeze='s/ {8,}/   /g'  # the padding rich puts before each line's source location at that width
 IFS=, read -r -a kinds <<< "${KINDS:-eagle3}"
 for i in "${!kinds[@]}"; do  # checked before any stage: a misspelt kind would fail only after the extraction
   kinds[i]=${kinds[i]// /}
@@ -70,7 +71,7 @@ for kind in "${kinds[@]}"; do
   step "train $kind"
   COLUMNS=$wide python3 train/train_draft.py "$work/out" --save-path "$(folder "$kind" draft)" --speculator-type "$kind" \
     --draft-vocab-size 8192 --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers "$workers" \
-    --loss-implementation eager --checkpoint-freq 0.25 2>&1 | tee "$work/train-$kind.log"
+    --loss-implementation eager --checkpoint-freq 0.25 2>&1 | sed -u -E "$squeeze" | tee "$work/train-$kind.log"
 done
 fi
 
@@ -101,10 +102,12 @@ for kind in "${kinds[@]}"; do
   COLUMNS=$wide python3 train/train_draft.py "$work/out-online" --save-path "$(folder "$kind" draft-online)" \
     --speculator-type "$kind" --draft-vocab-size 8192 --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers "$workers" \
     --loss-implementation eager --checkpoint-freq 0.25 --vllm-endpoint "http://127.0.0.1:$port/v1" \
-    --hidden-states-backend file 2>&1 | tee "$work/train-online-$kind.log"
+    --hidden-states-backend file 2>&1 | sed -u -E "$squeeze" | tee "$work/train-online-$kind.log"
   echo "online training, $kind: $(( $(date +%s) - start )) s"
-  [ -f "$work/train-$kind.log" ] && python3 train/trainer_wait.py "$work/train-$kind.log" "$work/train-online-$kind.log" \
-    --json "$work/trainer_wait-$kind.json"
+  if [ -f "$work/train-$kind.log" ]; then  # a figure, not a stage: its failure stops nothing
+    python3 train/trainer_wait.py "$work/train-$kind.log" "$work/train-online-$kind.log" \
+      --json "$work/trainer_wait-$kind.json" || echo "end_to_end.sh: no comparison of the trainers' wait for data" >&2
+  fi
 done
 trap - EXIT
 kill -TERM $server 2>/dev/null || true

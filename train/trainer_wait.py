@@ -2,12 +2,14 @@
 
     python train/trainer_wait.py OFFLINE_LOG [ONLINE_LOG] [--json FILE]
 
-speculators 0.9 profiles every step at its default --log-freq 1: `profile/fetch_ms` is the step's wait for its
-batch from the loader workers, `profile/step_ms` the whole step with that wait.  Its console handler (rich)
-wraps a record at the terminal's width, so the trainer must run with a wide one: `COLUMNS=4000`, as
-train/end_to_end.sh runs it.  The first epoch holds the trainer's own warm-up (tens of seconds in its first
-step), so the comparison is per epoch after the first.  With two logs the last line is online's wait over
-offline's: the issue's target is at most 1.2.
+speculators 0.9 profiles every step at its default --log-freq 1: `profile/fetch_ms` is the time from the end of
+the step before to the step's batch on the GPU, which is mostly the wait for the loader workers but also holds the
+trainer's own work between steps (logging the step before, a few ms; a checkpoint save; at an epoch's start its
+validation).  A step after a checkpoint save ("Saving checkpoint to" in the log) is left out, so what is counted
+is the wait and a few ms of logging a step, alike offline and online.  Its console handler (rich) wraps a record
+at the terminal's width, so the trainer must run with a wide one (`COLUMNS=4000`, as train/end_to_end.sh runs it).
+The first epoch holds the trainer's warm-up (tens of seconds in its first step), so the comparison is the mean
+of the epochs after the first; with two logs the last line gives online's wait against offline's.
 """
 
 from __future__ import annotations
@@ -20,35 +22,50 @@ from pathlib import Path
 import click
 
 PAIR = re.compile(r"([\w/]+)=([^,\s]+)")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colours, where FORCE_COLOR made rich write them into a file
+SAVING = "Saving checkpoint to"
 
 
 def epochs(log: Path) -> list[dict]:
-    """Steps, seconds and seconds waiting for data, per epoch, in the order the log has them."""
+    """Per epoch, in the log's order: steps counted, their seconds, their seconds waiting for data, steps left out."""
     per: dict[int, dict] = {}
-    for line in log.read_text(errors="replace").splitlines():
+    after_save = False
+    for number, line in enumerate(log.read_text(errors="replace").splitlines(), 1):
+        line = ANSI.sub("", line)
+        if SAVING in line:
+            after_save = True
         if "profile/fetch_ms=" not in line:
             continue
         fields = dict(PAIR.findall(line))
-        if "profile/step_ms" not in fields or "epoch" not in fields:
+        try:
+            epoch = int(fields["epoch"])
+            step_ms, fetch_ms = float(fields["profile/step_ms"]), float(fields["profile/fetch_ms"])
+        except (KeyError, ValueError):
             raise click.ClickException(
-                f"{log}: a step's record is cut ({line.strip()[:80]}...): run the trainer with a wide console "
+                f"{log}:{number}: a step's record is cut or unreadable: run the trainer with a wide console "
                 "(COLUMNS=4000), as train/end_to_end.sh does"
-            )
-        epoch = per.setdefault(int(fields["epoch"]), {"steps": 0, "seconds": 0.0, "waiting_s": 0.0})
-        epoch["steps"] += 1
-        epoch["seconds"] += float(fields["profile/step_ms"]) / 1000
-        epoch["waiting_s"] += float(fields["profile/fetch_ms"]) / 1000
+            ) from None
+        row = per.setdefault(epoch, {"steps": 0, "seconds": 0.0, "waiting_s": 0.0, "left_out": 0})
+        if after_save:
+            row["left_out"] += 1
+            after_save = False
+            continue
+        row["steps"] += 1
+        row["seconds"] += step_ms / 1000
+        row["waiting_s"] += fetch_ms / 1000
     if not per:
         raise click.ClickException(
-            f"{log}: no step profile (profile/fetch_ms) in it: is it speculators' console output, "
-            "trained with --log-freq 1 (its default)?"
+            f"{log}: no step profile (profile/fetch_ms) in it: is it speculators' console output of a run that "
+            "trained (a resumed, finished run trains no step), with --log-freq 1 (its default)?"
         )
     return [{"epoch": e, **per[e]} for e in sorted(per)]
 
 
-def after_first(rows: list[dict], key: str) -> float | None:
-    """The median of an epoch's figure after the trainer's warm-up epoch (None with one epoch)."""
-    return statistics.median(r[key] for r in rows[1:]) if len(rows) > 1 else None
+def after_first(rows: list[dict], key: str) -> float:
+    """The mean per epoch after the first, the trainer's warm-up."""
+    if len(rows) < 2:
+        raise click.ClickException("the log holds one epoch: train two or more (the first is the trainer's warm-up)")
+    return statistics.mean(r[key] for r in rows[1:])
 
 
 @click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
@@ -62,18 +79,18 @@ def main(logs: tuple[Path, ...], json_path: Path | None) -> None:
         rows = epochs(log)
         result[name] = {"log": str(log), "epochs": rows, "epoch_s_after_first": after_first(rows, "seconds"),
                         "waiting_s_after_first": after_first(rows, "waiting_s")}  # fmt: skip
-    click.echo("| log | epoch | steps | epoch s | waiting for data s |\n|---|---|---|---|---|")
+    click.echo("| log | epoch | steps counted | their s | waiting for data s | steps after a save, left out |")
+    click.echo("|---|---|---|---|---|---|")
     for name in result:
         for r in result[name]["epochs"]:
-            click.echo(f"| {name} | {r['epoch']} | {r['steps']} | {r['seconds']:.2f} | {r['waiting_s']:.2f} |")
+            click.echo(f"| {name} | {r['epoch']} | {r['steps']} | {r['seconds']:.2f} | {r['waiting_s']:.2f} | "
+                       f"{r['left_out']} |")  # fmt: skip
     if len(logs) == 2:
         offline, online = result["offline"]["waiting_s_after_first"], result["online"]["waiting_s_after_first"]
-        if offline is None or online is None:
-            raise click.ClickException("each log needs two epochs or more: the first is the trainer's warm-up")
         result["online_over_offline_waiting"] = online / offline if offline else None
-        ratio = f"{online / offline:.2f}x" if offline else "offline never waited"
-        click.echo(f"waiting for data per epoch after the first (median): offline {offline:.2f} s, "
-                   f"online {online:.2f} s ({ratio})")  # fmt: skip
+        ratio = f"{online / offline:.2f}x offline's" if offline else "offline never waited"
+        click.echo(f"waiting for data, mean per epoch after the first: offline {offline:.2f} s, online {online:.2f} s "
+                   f"({ratio}; {online - offline:+.2f} s)")  # fmt: skip
     if json_path:
         json_path.write_text(json.dumps(result, indent=1) + "\n")
 

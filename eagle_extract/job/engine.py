@@ -307,6 +307,14 @@ def _signals_stop_the_start():
         raise KeyboardInterrupt
 
 
+def own_socket_folder(asked: str | None) -> bool:
+    """Whether vLLM's ZMQ sockets go in a temp folder of this run's, removed with the engine: vLLM leaves them in the
+    temp folder.  Not where the user named a folder, where the folder's path would pass ZMQ's 107 characters (a
+    socket is FOLDER/UUID), nor with the engine core in this process (it caches the setting for a later engine)."""
+    room = len(tempfile.gettempdir()) + len("/ee-12345678/") + 36
+    return not asked and room <= 107 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+
+
 def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
     """vllm.LLM for `cfg`: the options that are engine arguments, --engine-arg, and FIXED_ARGS."""
     extra = cfg.engine_kwargs()  # checked by preflight.check_options
@@ -320,8 +328,8 @@ def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
 
     extra = {**room_for_capture(extra), **whole_prompts(extra, max_model_len, cfg.tp * cfg.pp), **extra}
     sockets = None
-    if not before[IPC_ENV]:  # vLLM leaves the sockets it makes there: a folder of ours instead, gone with the engine
-        sockets = os.environ[IPC_ENV] = tempfile.mkdtemp(prefix="eagle-extract-vllm-")
+    if own_socket_folder(before[IPC_ENV]):
+        sockets = os.environ[IPC_ENV] = tempfile.mkdtemp(prefix="ee-")
     try:
         with _signals_stop_the_start():
             llm = LLM(
