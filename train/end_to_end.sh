@@ -45,6 +45,13 @@ done
 mkdir -p "$work"
 step() { printf '\n== %s  (%s)\n' "$1" "$(date +%T)"; }
 folder() { [[ $1 == eagle3 ]] && echo "$work/$2" || echo "$work/$2-$1"; }  # folder KIND draft|draft-online
+trainer() {  # trainer LOG OUT DRAFT KIND [speculators flags]: one training, its console also in LOG
+  local log=$1 out=$2 draft=$3 kind=$4
+  shift 4
+  COLUMNS=$wide python3 train/train_draft.py "$out" --save-path "$draft" --speculator-type "$kind" \
+    --draft-vocab-size 8192 --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers "$workers" \
+    --loss-implementation eager --checkpoint-freq 0.25 "$@" 2>&1 | sed -u -E "$squeeze" | tee "$log"
+}
 model=$(python3 -c 'from eagle_extract.smollm2 import ensure_smollm2; print(ensure_smollm2())')
 
 if [[ $stages == *extract* ]]; then
@@ -69,9 +76,7 @@ if [[ $stages == *train* ]]; then
 # ("ListVariable ... is already tracked for mutation" in fused_kl_div_loss's backward).
 for kind in "${kinds[@]}"; do
   step "train $kind"
-  COLUMNS=$wide python3 train/train_draft.py "$work/out" --save-path "$(folder "$kind" draft)" --speculator-type "$kind" \
-    --draft-vocab-size 8192 --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers "$workers" \
-    --loss-implementation eager --checkpoint-freq 0.25 2>&1 | sed -u -E "$squeeze" | tee "$work/train-$kind.log"
+  trainer "$work/train-$kind.log" "$work/out" "$(folder "$kind" draft)" "$kind"
 done
 fi
 
@@ -99,10 +104,8 @@ done
 grep '^serving http' "$work/serve.log"
 for kind in "${kinds[@]}"; do
   start=$(date +%s)
-  COLUMNS=$wide python3 train/train_draft.py "$work/out-online" --save-path "$(folder "$kind" draft-online)" \
-    --speculator-type "$kind" --draft-vocab-size 8192 --epochs "$epochs" --lr 1e-3 ${TRAIN_ARGS:-} -- --num-workers "$workers" \
-    --loss-implementation eager --checkpoint-freq 0.25 --vllm-endpoint "http://127.0.0.1:$port/v1" \
-    --hidden-states-backend file 2>&1 | sed -u -E "$squeeze" | tee "$work/train-online-$kind.log"
+  trainer "$work/train-online-$kind.log" "$work/out-online" "$(folder "$kind" draft-online)" "$kind" \
+    --vllm-endpoint "http://127.0.0.1:$port/v1" --hidden-states-backend file
   echo "online training, $kind: $(( $(date +%s) - start )) s"
   if [ -f "$work/train-$kind.log" ]; then  # a figure, not a stage: its failure stops nothing
     python3 train/trainer_wait.py "$work/train-$kind.log" "$work/train-online-$kind.log" \
