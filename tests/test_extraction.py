@@ -12,7 +12,7 @@ from eagle_extract import ExtractError
 from eagle_extract.files.manifest import read_manifest
 
 from .common import AVX512, Reference, compare_with_reference, load_row, rel_err
-from .conftest import BUDGET, extract
+from .conftest import BUDGET, ONE_PROCESS, extract
 
 
 def _compare_with_transformers(out, model_path, tolerance, per_sample=True):
@@ -179,7 +179,7 @@ def test_prompts_sharing_a_split_prefix_keep_their_own_states(tmp_path_factory, 
     rows = [opening + tail for tail in tails] + [opening]
     data = tmp_path_factory.mktemp("shared") / "shared.jsonl"
     data.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in rows))
-    out = extract(tmp_path_factory, tiny_llama, data, "--dtype", "float32", *BUDGET)
+    out = extract(tmp_path_factory, tiny_llama, data, "--dtype", "float32", *BUDGET, env=ONE_PROCESS)
     capture = read_manifest(out)["capture"]
     assert capture["split_requests"] >= 5, capture
     _compare_with_transformers(out, tiny_llama, 1e-4)

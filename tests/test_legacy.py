@@ -15,7 +15,7 @@ from datasets import load_from_disk
 from eagle_extract.layers import legacy_layer_ids
 
 from .common import Reference, rel_err
-from .conftest import BUDGET, run_cli
+from .conftest import BUDGET, ONE_PROCESS, run_cli
 
 
 def test_translation_of_ids():
@@ -25,7 +25,7 @@ def test_translation_of_ids():
 def test_legacy_files_hold_the_layer_outputs_their_ids_name(tmp_path, tiny_llama, mixed_conversations):
     out = tmp_path / "legacy"
     args = ["--model", str(tiny_llama), "--data", str(mixed_conversations), "--output", str(out)]
-    run_cli(*args, "--dtype", "float32", "--layers", "1,3", "--format", "speculators-legacy", *BUDGET)
+    run_cli(*args, "--dtype", "float32", "--layers", "1,3", "--format", "speculators-legacy", *BUDGET, env=ONE_PROCESS)
     manifest = json.loads((out / "eagle_extract.json").read_text())
     assert manifest["format"] == "speculators-legacy" and manifest["slot_layer_ids"] == [1, 3, 6]
     legacy_ids = manifest["legacy_layer_ids"]

@@ -19,7 +19,7 @@ import torch
 from datasets import load_from_disk
 
 from .common import AVX512, AVX512_BF16, Reference, load_row, rel_err
-from .conftest import extract
+from .conftest import ONE_PROCESS, extract
 from .tiny_models import build, build_aria, build_kimi_k25
 
 # GPT-OSS's tiny model reaches 0.107 with AVX-512 BF16 (an AMD EPYC with avx512_bf16, 2026-12-02); its nearest
@@ -67,7 +67,7 @@ def check_against_transformers(out: Path, reference: Path) -> dict:
 )
 def test_moe_models_match_transformers(tmp_path_factory, smollm2, short_conversations, kind, model_class):
     model = build(kind, tmp_path_factory.mktemp(kind), smollm2, std=0.02)
-    out = extract(tmp_path_factory, model, short_conversations, "--dtype", "bfloat16")
+    out = extract(tmp_path_factory, model, short_conversations, "--dtype", "bfloat16", env=ONE_PROCESS)
     manifest = check_against_transformers(out, model)
     assert manifest["slot_layer_ids"] == [1, 2, 4]  # the default layers of a 4-layer model, then the final slot
     assert manifest["capture"]["model_class"] == model_class and manifest["capture"]["decoder_path"] == "model"
@@ -113,7 +113,7 @@ def test_kimi_k25_tp2_matches_tp1(tmp_path_factory, kimi, kimi_tp1_out, short_co
 def test_aria_wrapper_is_found_and_matches_its_language_model(tmp_path_factory, smollm2, short_conversations):
     """A second multimodal wrapper, nested differently: AriaForConditionalGeneration → language_model → layers."""
     model = build_aria(tmp_path_factory.mktemp("aria"), smollm2, std=0.02)
-    out = extract(tmp_path_factory, model, short_conversations, "--dtype", "bfloat16", *TEXT_ONLY)
+    out = extract(tmp_path_factory, model, short_conversations, "--dtype", "bfloat16", *TEXT_ONLY, env=ONE_PROCESS)
     manifest = check_against_transformers(out, model / "reference")
     assert manifest["capture"]["model_class"] == "AriaForConditionalGeneration"
     assert manifest["capture"]["decoder_path"] == "language_model"

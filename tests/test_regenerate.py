@@ -21,7 +21,7 @@ from eagle_extract.data.samples import tokenize_conversation
 from eagle_extract.job.regenerate import JOURNAL
 
 from .common import SAMPLE_DATA
-from .conftest import run_cli
+from .conftest import ONE_PROCESS, run_cli
 
 MAX_NEW = 40
 ORACLE = r"""
@@ -42,7 +42,7 @@ print("ORACLE" + json.dumps(chats))
 
 
 def vllm_chat_directly(model, user_turns: list[list[str]]) -> list[list[dict]]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **ONE_PROCESS}
     args = [sys.executable, "-c", ORACLE, str(model), json.dumps(user_turns), str(MAX_NEW)]
     proc = subprocess.run(args, capture_output=True, text=True, env=env)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("ORACLE")), None)
@@ -69,6 +69,7 @@ def test_regenerate_questions_and_replace_dataset_answers_skipping_bad_rows(tmp_
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        env={**os.environ, **ONE_PROCESS},
     )
     journal = out / JOURNAL
     try:
@@ -82,7 +83,7 @@ def test_regenerate_questions_and_replace_dataset_answers_skipping_bad_rows(tmp_
     assert not (out / "regenerated.jsonl").exists()
     kept = journal.read_bytes().count(b"\n")
     # ... and the rerun generates only the rest, several conversations per engine call
-    resumed = run_cli(*args)
+    resumed = run_cli(*args, env=ONE_PROCESS)
     assert f"continuing the regeneration after the {kept} answers an interrupted run kept" in resumed.stdout
     assert not journal.exists()
 

@@ -27,7 +27,7 @@ from eagle_extract.job.lock import MAIN
 from eagle_extract.job.output import LOG, REPLACEMENT, RUN_FILE
 
 from .common import assert_documented, load_row, rel_err
-from .conftest import BUDGET, run_cli
+from .conftest import BUDGET, ONE_PROCESS, run_cli
 
 RUN = "During the run"  # docs/errors.md's section
 
@@ -85,7 +85,7 @@ def test_verify_finds_every_damage_and_repair_fixes_it(tmp_path, tiny_tp1_out):
 
     untouched = hidden_state_path(out, 5).stat().st_mtime_ns
     hidden_state_path(out, 999).unlink()  # a stray file is the user's to remove, not a row to redo
-    proc = run_cli("verify", "--repair", str(out))
+    proc = run_cli("verify", "--repair", str(out), env=ONE_PROCESS)
     assert "repaired" in proc.stdout
     assert hidden_state_path(out, 5).stat().st_mtime_ns == untouched  # only broken rows were redone
     assert read_manifest(out)["resumed_rows"] == read_manifest(out)["num_samples"] - 4

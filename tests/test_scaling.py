@@ -11,7 +11,7 @@ from datasets import load_from_disk
 from eagle_extract.files.shards import ShardError, owns, parse_shard
 
 from .common import load_row, rel_err
-from .conftest import BUDGET, STREAM_ARGS, run_cli
+from .conftest import BUDGET, ONE_PROCESS, STREAM_ARGS, run_cli
 
 
 def assert_same_output(got, want):
@@ -62,11 +62,11 @@ def test_two_shards_run_separately_equal_one_run(tmp_path, tiny_llama, stream_ro
     again what its store kept, and rewrites the row files it lost."""
     out = tmp_path / "sharded"
     args = ["--model", str(tiny_llama), "--data", str(stream_rows), "--output", str(out), *STREAM_ARGS]
-    first = run_cli(*args, "--shard", "0/2")
+    first = run_cli(*args, "--shard", "0/2", env=ONE_PROCESS)
     assert "shard 0/2 done" in first.stdout and not (out / "eagle_extract.json").exists()
     assert not (out / "hidden_states").exists()  # a shard's rows are named by source row until completion
     cut_rows, gone = _cut_shard(out, "0-of-2")
-    resumed = run_cli(*args, "--shard", "0/2")
+    resumed = run_cli(*args, "--shard", "0/2", env=ONE_PROCESS)
     assert "resuming" in resumed.stdout and "1 damaged" not in resumed.stdout
     summary = json.loads((out / "shards" / "0-of-2.json").read_text())
     assert summary["tokenized_rows"] == cut_rows and summary["resumed_rows"] > 0
@@ -76,7 +76,7 @@ def test_two_shards_run_separately_equal_one_run(tmp_path, tiny_llama, stream_ro
     assert early.returncode == 1 and len(lines) == 1 and "shard(s) 1/2" in lines[0], early.stderr
     other = run_cli(*args, "--shard", "1/2", "--dtype", "bfloat16", check=False)  # a different job cannot join
     assert other.returncode == 1 and "different dtype" in other.stderr and "other shards' settings" in other.stderr
-    run_cli(*args, "--shard", "1/2")  # the last shard completes the dataset
+    run_cli(*args, "--shard", "1/2", env=ONE_PROCESS)  # the last shard completes the dataset
     assert_same_output(out, streamed_out)
     assert (out / "skipped_rows.jsonl").read_text() == (streamed_out / "skipped_rows.jsonl").read_text()
     assert "passes every check" in run_cli("verify", str(out)).stdout

@@ -13,7 +13,7 @@ import json
 import random
 
 from .common import Reference, load_row, rel_err
-from .conftest import extract
+from .conftest import ONE_PROCESS, extract
 
 
 def _twin_rows(pairs: int = 6) -> list[dict]:
@@ -49,7 +49,7 @@ def test_twins_mid_prefill_in_swapped_slots_get_their_own_states(tmp_path_factor
     out = extract(
         tmp_path_factory, tiny_llama, data, "--data-format", "tokens", "--dtype", "float32", "--layers", "1,3",
         "--engine-arg", "long_prefill_token_threshold=16", "--max-num-batched-tokens", "64", "--batch-size", "4",
-        "--host-memory", str(limit_gib),
+        "--host-memory", str(limit_gib), env=ONE_PROCESS,
     )  # fmt: skip
     manifest = json.loads((out / "eagle_extract.json").read_text())
     ref = Reference(tiny_llama)
@@ -76,7 +76,8 @@ def test_a_step_budget_that_holds_the_longest_prompt_runs_each_whole_and_nothing
     rows = _twin_rows() + _turn_rows()
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = extract(tmp_path_factory, tiny_llama, data, "--data-format", "tokens", "--dtype", "float32", "--layers",
-                  "1,3", "--batch-size", "8", "--seq-length", "200", "--max-num-batched-tokens", "201")  # fmt: skip
+                  "1,3", "--batch-size", "8", "--seq-length", "200", "--max-num-batched-tokens", "201",
+                  env=ONE_PROCESS)  # fmt: skip
     manifest = json.loads((out / "eagle_extract.json").read_text())
     capture = manifest["capture"]
     assert capture["split_requests"] == capture["ambiguous_runs"] == capture["redo_rows"] == 0, capture

@@ -17,11 +17,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from .conftest import ONE_PROCESS
+
 TRAIN = Path(__file__).resolve().parents[1] / "train"
 
 
-def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TRAIN / name), *args], capture_output=True, text=True)
+def run_script(name: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, str(TRAIN / name), *args], capture_output=True, text=True, env=env)
 
 
 def failure(proc: subprocess.CompletedProcess) -> str:
@@ -48,7 +51,7 @@ def test_draft_takes_the_extracted_layers_and_vllm_serves_it(tmp_path, smollm2_b
     out = tmp_path / "check.json"
     args = ["--verifier", manifest["model"], "--draft", str(draft), "--prompts", str(prompts), "--max-tokens", "24"]
     proc = run_script("check_draft.py", *args, "--modes", "plain,eagle3", "--engine-arg", 'dtype="float32"',
-                      "--json", str(out))  # fmt: skip
+                      "--json", str(out), env=ONE_PROCESS)  # fmt: skip
     assert proc.returncode == 0, failure(proc)
     plain, eagle = json.loads(out.read_text())["results"]
     assert eagle["drafts"] > 0  # the draft was asked
