@@ -123,7 +123,8 @@ def test_an_object_put_from_a_row_file_is_what_hs_connectors_reads(master, tmp_p
 def mooncake_server(tmp_path_factory, tiny_llama, master):
     server = Server(tiny_llama, tmp_path_factory.mktemp("spool-mc"), "--dtype", "float32", "--layers",
                     ",".join(map(str, LAYERS)), "--transfer", "mooncake", "--mooncake-master", master.address,
-                    "--mooncake-global-segment-gib", str(SEGMENT_GIB), "--spool-ttl", str(TTL_S))  # fmt: skip
+                    "--mooncake-global-segment-gib", str(SEGMENT_GIB), "--spool-ttl", str(TTL_S),
+                    tmpdir=tmp_path_factory.mktemp("tmp-mc"))  # fmt: skip
     yield server
     server.stop()
 
@@ -223,8 +224,9 @@ def test_a_stopped_master_is_a_503_with_one_line_and_a_restarted_one_serves_agai
 
 def test_sigkill_of_the_server_leaves_no_engine_and_the_next_start_sweeps_its_rows(mooncake_server):
     """The module's last use of its server: killed outright, its engine goes with it (the guard), and so do
-    the engine's shared-memory queues in /dev/shm (the resource tracker the guard spares removes them); what it
-    left in the spool is swept by the next server's start, while a live server's folder stays."""
+    the engine's shared-memory queues in /dev/shm (the resource tracker the guard spares removes them) and its
+    temporary files (the guard, told of them); what it left in the spool is swept by the next server's start,
+    while a live server's folder stays."""
     from eagle_extract.files.spool import LOCK_NAME, folder_prefix, hold_folder, sweep_dead_servers
 
     s = mooncake_server
@@ -233,13 +235,17 @@ def test_sigkill_of_the_server_leaves_no_engine_and_the_next_start_sweeps_its_ro
     maps = " ".join(Path(f"/proc/{p.pid}/maps").read_text() for p in engine).split()
     queues = {Path(word) for word in maps if word.startswith("/dev/shm/psm_")}
     assert queues, "the engine maps no shared memory"
+    ours = lambda: [*s.tmpdir.glob("ee-*"), *s.tmpdir.glob("eagle_extract_heartbeat.*")]  # noqa: E731
+    assert len(ours()) == 2  # vLLM's sockets' folder and the watch's heartbeat, in the server's temp folder
     os.kill(s.proc.pid, signal.SIGKILL)
     s.proc.wait(timeout=10)
     deadline = time.monotonic() + 20
-    while ([p for p in engine if _alive(p)] or any(q.exists() for q in queues)) and time.monotonic() < deadline:
+    behind = lambda: [p for p in engine if _alive(p)] + [q for q in queues if q.exists()] + ours()  # noqa: E731
+    while behind() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in engine if _alive(p)], [p.pid for p in engine if _alive(p)]
     assert not [q for q in queues if q.exists()]
+    assert not ours()  # the guard removed them, as it was told
     left = s.folder() / "hidden_states" / "hs_7.safetensors"  # a row the killed server had not put yet
     left.write_bytes(b"x" * 5000)
     live = s.spool / f"{folder_prefix()}live"

@@ -45,14 +45,15 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: Path, spool: Path, *args: str) -> None:
-        self.port, self.spool = _free_port(), spool
+    def __init__(self, model: Path, spool: Path, *args: str, tmpdir: Path | None = None) -> None:
+        self.port, self.spool, self.tmpdir = _free_port(), spool, tmpdir
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.model = str(model)
         cmd = [sys.executable, "-m", "eagle_extract", "serve", "--model", self.model, "--port", str(self.port),
                "--spool", str(spool), *args]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)  # fmt: skip
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"TMPDIR": str(tmpdir)} if tmpdir else {})}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     start_new_session=True)  # fmt: skip
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + 300

@@ -173,6 +173,15 @@ if __name__ == "__main__":  # the spawned process below imports this file again
     kept = subprocess.Popen(sleep)  # running before the guard: not the engine's
     guard = [sys.executable, "-I", sys.argv[1], str(os.getpid()), str(kept.pid)]
     guard = subprocess.Popen(guard, stdin=subprocess.PIPE, start_new_session=True)
+    sockets, heartbeat = os.path.join(sys.argv[3], "sockets"), os.path.join(sys.argv[3], "heartbeat")
+    os.mkdir(sockets)
+    for path in (os.path.join(sockets, "a-socket"), heartbeat, os.path.join(sys.argv[3], "mine")):
+        open(path, "w").close()
+    named = f"rm {sockets}\\nrm {heartbeat}\\n".encode()
+    for part in (named[:-5], named[-5:]):  # a line may come in two reads
+        guard.stdin.write(part)
+        guard.stdin.flush()
+        time.sleep(0.5)
     spawn = multiprocessing.get_context("spawn")
     names = spawn.Queue()
     user = spawn.Process(target=hold, args=(names,))
@@ -196,7 +205,8 @@ def test_the_guard_stops_a_dead_parents_processes_and_nothing_else(tmp_path):
     """guard.py on its own: a parent killed with SIGKILL leaves its children and theirs stopped (a process it
     told the guard to ignore stays), and no shared memory behind: the resource tracker, spared, removes what
     the dead registered, and the guard what they mapped where a SIGKILL to the whole group killed the tracker
-    too; a parent that dismissed its guard leaves everything running."""
+    too, and the temporary files the parent named (and no other file); a parent that dismissed its guard leaves
+    everything running, and every file."""
     import subprocess
     import sys
 
@@ -205,8 +215,9 @@ def test_the_guard_stops_a_dead_parents_processes_and_nothing_else(tmp_path):
     def family(how: str):
         script = tmp_path / "parent.py"
         script.write_text(PARENT)
-        parent = subprocess.Popen([sys.executable, str(script), guard.__file__, how], stdout=subprocess.PIPE, text=True,
-                                  start_new_session=True)  # fmt: skip
+        (tmp_path / how).mkdir()
+        parent = subprocess.Popen([sys.executable, str(script), guard.__file__, how, str(tmp_path / how)],
+                                  stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
         *pids, queue = parent.stdout.readline().split()
         kept, child, user, guard_pid = map(int, pids)
         tree = [psutil.Process(child), *psutil.Process(child).children(recursive=True)]
@@ -231,11 +242,13 @@ def test_the_guard_stops_a_dead_parents_processes_and_nothing_else(tmp_path):
         assert not any(_alive(p) for p in gone)  # the guard too: it waited for the tracker's end
         assert not queue.exists(), how  # the tracker, spared, removed it; killed with its group, the guard did
         assert _alive(kept) == (how == "die")
+        assert [p.name for p in (tmp_path / how).iterdir()] == ["mine"], how
         if how == "die":
             kept.kill()
     kept, tree, _, _, queue = family("dismiss")
     time.sleep(2)
     assert all(_alive(p) for p in tree) and _alive(kept)
+    assert sorted(p.name for p in (tmp_path / "dismiss").iterdir()) == ["heartbeat", "mine", "sockets"]
     assert queue.exists()  # the tracker waits for every user of its pipe: here the spawned one lives on
     for proc in [*tree, kept]:
         proc.kill()

@@ -375,7 +375,7 @@ class EngineLoop(threading.Thread):
 def capture_engine(cfg, max_model_len: int, folder: Path, aux_ids: list[int], watch: EngineWatch):
     """The server's engine, started under `watch` with the capture installed, writing rows into `folder`."""
     watch.expect_engine()
-    llm = start_engine(cfg, max_model_len)
+    llm = start_engine(cfg, max_model_len, watch.leaves)
     llm.collective_rpc("eagle_heartbeat", args=(str(watch.heartbeat), 2.0))
     watch.start()
     watch.pause()

@@ -315,8 +315,9 @@ def own_socket_folder(asked: str | None) -> bool:
     return not asked and room <= 107 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
 
 
-def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
-    """vllm.LLM for `cfg`: the options that are engine arguments, --engine-arg, and FIXED_ARGS."""
+def start_engine(cfg: ExtractConfig, max_model_len: int | None = None, leaves=None):
+    """vllm.LLM for `cfg`: the options that are engine arguments, --engine-arg, and FIXED_ARGS.  `leaves(path)`
+    is told of the temporary folder made for the engine (EngineWatch.leaves)."""
     extra = cfg.engine_kwargs()  # checked by preflight.check_options
     if extra.get("language_model_only") and not cfg.regenerate:
         # eagle-extract tokenizes itself; without a tokenizer the engine builds no multimodal processor, which
@@ -330,6 +331,8 @@ def start_engine(cfg: ExtractConfig, max_model_len: int | None = None):
     sockets = None
     if own_socket_folder(before[IPC_ENV]):
         sockets = os.environ[IPC_ENV] = tempfile.mkdtemp(prefix="ee-")
+        if leaves:
+            leaves(sockets)
     try:
         with _signals_stop_the_start():
             llm = LLM(

@@ -11,13 +11,16 @@ resource tracker: once the processes that used it are gone it removes the shared
 left (vLLM's message queues in /dev/shm, hundreds of MB each), then ends; the guard kills it only if it
 outlives TRACKER_S.  What of Python's in /dev/shm the processes noted mapped (read every MAPS_S) and is still
 there then, the guard removes: a SIGKILL to the whole process group (`kill -9 -PGID`) kills the tracker too,
-but not the guard, which runs in a session of its own.
+but not the guard, which runs in a session of its own.  A line `rm PATH` names a temporary file or folder of
+the engine's (the watch's heartbeat, vLLM's sockets' folder), which the guard removes after the processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+import shutil
 import signal
 import sys
 import time
@@ -145,16 +148,20 @@ def main(argv: list[str]) -> None:
     ignored = {pid: _started(pid) for pid in [*map(int, argv[1:]), os.getpid()]}
     noted: dict[int, object] = {}
     mapped: set[int] = set()
+    leftovers: list[bytes] = []
     looked = time.monotonic()
     stdin = sys.stdin.fileno()
+    unread = b""
     while True:
         ready, _, _ = select.select([stdin], [], [], SCAN_S)
         if ready:
-            line = os.read(stdin, 64)
-            if line.startswith(b"done"):
-                return
-            if not line:  # the parent is gone
+            chunk = os.read(stdin, 4096)
+            if not chunk:  # the parent is gone
                 break
+            *lines, unread = (unread + chunk).split(b"\n")
+            if b"done" in lines:
+                return
+            leftovers += [line[3:] for line in lines if line.startswith(b"rm ")]
         noted = {pid: proc for pid, proc in noted.items() if proc.is_running()}  # those gone, forgotten
         noted.update(_descendants(parent, ignored))
         if time.monotonic() - looked > MAPS_S:
@@ -166,6 +173,12 @@ def main(argv: list[str]) -> None:
     for proc in left:  # another process still holds its pipe: nothing it could clean up yet
         _send(proc, signal.SIGKILL)
     remove_shm(mapped)  # what the tracker, killed with them, could not
+    for path in leftovers:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
             with engine_errors(run_log.path):
                 t0 = time.perf_counter()
                 watch.expect_engine()
-                llm = start_engine(cfg, cfg.seq_length + 1)
+                llm = start_engine(cfg, cfg.seq_length + 1, watch.leaves)
                 start_s = _watched(llm, watch, t0)
                 usable = [r for r, _, _ in records if r is not None][: cfg.max_samples]
                 answered, regenerated = regenerate.answers(llm, cfg, plan.tokenizer, usable, log, watch.beat)
@@ -168,8 +168,8 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
                 if llm is None:
                     t0 = time.perf_counter()
                     watch.expect_engine()
-                    context = plan.shape.context or cfg.seq_length + 1
-                    llm = start_engine(cfg, min(cfg.seq_length + 1, context))  # room for the sampled token
+                    context = plan.shape.context or cfg.seq_length + 1  # + 1: room for the sampled token
+                    llm = start_engine(cfg, min(cfg.seq_length + 1, context), watch.leaves)
                     start_s = _watched(llm, watch, t0)
                 batches = itertools.chain([first_batch], batches)
                 got = _capture(llm, plan, todo, batches, mine, run_log.note, watch)

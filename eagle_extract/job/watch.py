@@ -80,6 +80,14 @@ class EngineWatch:
             fd, name = tempfile.mkstemp(prefix="eagle_extract_heartbeat.")
             os.close(fd)
             self.heartbeat = Path(name)
+            self.leaves(name)
+
+    def leaves(self, path: str) -> None:
+        """A temporary file or folder of the engine's: the guard removes it should this process die first."""
+        if self._guard is not None:
+            with contextlib.suppress(OSError):
+                self._guard.stdin.write(b"rm " + os.fsencode(path) + b"\n")
+                self._guard.stdin.flush()
 
     def start(self) -> None:
         self._scan()
