@@ -1,6 +1,6 @@
 """Shared fixtures: the real SmolLM2, a tiny random Llama, and one extraction run per engine setup.
 
-Every vLLM start costs about 35 s here (about 15 s with ONE_PROCESS), so each (model, dtype, TP) setup is
+Every vLLM start costs about 35 s here (about 8 s with ONE_PROCESS), so each (model, dtype, TP) setup is
 extracted once per session through the real CLI and its output is shared by the tests.
 """
 
@@ -128,9 +128,11 @@ def mixed_conversations(tmp_path_factory) -> Path:
 
 
 # vLLM's engine core (and a TP=1 engine's worker) in the CLI's own process, by vLLM's documented setting: two
-# imports of torch and vLLM fewer, about 18 s less per engine start here (a MoE model's test: 39 s against 21).
-# For tests whose subject is the rows, not the engine's processes; the shared extraction fixtures and the
-# reliability, serve, replica and --dp tests run vLLM's default layout (engine core and worker processes).
+# imports of torch and vLLM fewer (a tiny Llama's run here: 45 s, its engine start 37 s; in one process 16 s
+# and 8 s).  For tests whose subject is the rows a model gives, not the engine's processes (the models, the
+# scheduler, FP8, shards, repair, a resumed regeneration, the served draft); the extraction fixtures, the
+# Python API, the runs killed, signalled or resumed in test_reliability, regeneration's killed run, serve,
+# replicas and --dp run vLLM's default layout (engine core and worker processes of their own).
 ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
@@ -193,8 +195,7 @@ def smollm2_bf16_out(tmp_path_factory, smollm2, mixed_conversations) -> Path:
     several engine steps in the float32 runs)."""
     out = tmp_path_factory.mktemp("out") / "extraction"
     args = [sys.executable, "-c", API_RUN, str(mixed_conversations), str(out), str(out.parent / "summary.json")]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **ONE_PROCESS}
-    proc = subprocess.run(args, capture_output=True, text=True, env=env)
+    proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-6000:]
     return out
 

@@ -50,7 +50,7 @@ def vllm_chat_directly(model, user_turns: list[list[str]]) -> list[list[dict]]:
     return json.loads(line[len("ORACLE") :])
 
 
-def test_regenerate_questions_and_replace_dataset_answers_skipping_bad_rows(tmp_path, smollm2):
+def test_regenerate_questions_and_replace_dataset_answers_skipping_bad_rows(tmp_path, tmp_path_factory, smollm2):
     questions = [json.loads(x) for x in (SAMPLE_DATA / "vicuna_bench_questions.jsonl").open()][:3]
     rows = questions + [
         {"turns": [questions[0]["turns"][0], "Now say it in one sentence."]},  # two turns: the second sees answer 1
@@ -63,13 +63,16 @@ def test_regenerate_questions_and_replace_dataset_answers_skipping_bad_rows(tmp_
     args = ["--model", str(smollm2), "--data", str(data), "--output", str(out), "--regenerate"]
     args += ["--max-new-tokens", str(MAX_NEW), "--dtype", "float32", "--seq-length", "512"]
 
-    # killed mid-regeneration: the answers of its finished engine calls (one answer each here) are kept ...
+    # killed mid-regeneration: the answers of its finished engine calls (one answer each here) are kept, and
+    # the engine's guard removes its temporary files ...
+    tmpdir = tmp_path_factory.mktemp("t")  # short enough for vLLM's sockets' folder of the run's own
+    temporary = lambda: [*tmpdir.glob("ee-*"), *tmpdir.glob("eagle_extract_heartbeat.*")]  # noqa: E731
     killed = subprocess.Popen(
         [sys.executable, "-m", "eagle_extract", *args, "--regenerate-batch-size", "1"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
-        env={**os.environ, **ONE_PROCESS},
+        env={**os.environ, "TMPDIR": str(tmpdir)},  # vLLM's default layout: engine core and worker processes
     )
     journal = out / JOURNAL
     try:
@@ -77,10 +80,15 @@ def test_regenerate_questions_and_replace_dataset_answers_skipping_bad_rows(tmp_
         while not (journal.exists() and journal.read_bytes().count(b"\n") >= 2):
             assert time.time() < deadline and killed.poll() is None, "no answers were journaled"
             time.sleep(0.02)
+        assert len(temporary()) == 2, temporary()
     finally:
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait()
     assert not (out / "regenerated.jsonl").exists()
+    deadline = time.time() + 30
+    while temporary() and time.time() < deadline:  # the engine's guard removes them once it has stopped the engine
+        time.sleep(0.1)
+    assert not temporary()
     kept = journal.read_bytes().count(b"\n")
     # ... and the rerun generates only the rest, several conversations per engine call
     resumed = run_cli(*args, env=ONE_PROCESS)

@@ -173,15 +173,13 @@ if __name__ == "__main__":  # the spawned process below imports this file again
     kept = subprocess.Popen(sleep)  # running before the guard: not the engine's
     guard = [sys.executable, "-I", sys.argv[1], str(os.getpid()), str(kept.pid)]
     guard = subprocess.Popen(guard, stdin=subprocess.PIPE, start_new_session=True)
-    sockets, heartbeat = os.path.join(sys.argv[3], "sockets"), os.path.join(sys.argv[3], "heartbeat")
+    files = ("ee-1", "eagle_extract_heartbeat.1", "mine")
+    sockets, heartbeat, mine = (os.path.join(sys.argv[3], name) for name in files)
     os.mkdir(sockets)
-    for path in (os.path.join(sockets, "a-socket"), heartbeat, os.path.join(sys.argv[3], "mine")):
+    for path in (os.path.join(sockets, "a-socket"), heartbeat, mine):
         open(path, "w").close()
-    named = f"rm {sockets}\\nrm {heartbeat}\\n".encode()
-    for part in (named[:-5], named[-5:]):  # a line may come in two reads
-        guard.stdin.write(part)
-        guard.stdin.flush()
-        time.sleep(0.5)
+    guard.stdin.write(f"rm {sockets}\\nrm {heartbeat}\\nrm {mine}\\n".encode())  # not ours by its name: kept
+    guard.stdin.flush()
     spawn = multiprocessing.get_context("spawn")
     names = spawn.Queue()
     user = spawn.Process(target=hold, args=(names,))
@@ -242,13 +240,13 @@ def test_the_guard_stops_a_dead_parents_processes_and_nothing_else(tmp_path):
         assert not any(_alive(p) for p in gone)  # the guard too: it waited for the tracker's end
         assert not queue.exists(), how  # the tracker, spared, removed it; killed with its group, the guard did
         assert _alive(kept) == (how == "die")
-        assert [p.name for p in (tmp_path / how).iterdir()] == ["mine"], how
+        assert [p.name for p in (tmp_path / how).iterdir()] == ["mine"], how  # only the engine's
         if how == "die":
             kept.kill()
     kept, tree, _, _, queue = family("dismiss")
     time.sleep(2)
     assert all(_alive(p) for p in tree) and _alive(kept)
-    assert sorted(p.name for p in (tmp_path / "dismiss").iterdir()) == ["heartbeat", "mine", "sockets"]
+    assert sorted(p.name for p in (tmp_path / "dismiss").iterdir()) == ["eagle_extract_heartbeat.1", "ee-1", "mine"]
     assert queue.exists()  # the tracker waits for every user of its pipe: here the spawned one lives on
     for proc in [*tree, kept]:
         proc.kill()
@@ -256,6 +254,19 @@ def test_the_guard_stops_a_dead_parents_processes_and_nothing_else(tmp_path):
     while queue.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not queue.exists()
+
+
+def test_the_guard_reads_whole_lines_and_only_the_engines_temporary_names():
+    """A parent's line may reach the guard in two reads; `done` ends it whatever came with it; a path whose
+    name is not one of the engine's temporary files is never named for removal, nor is a line's cut end."""
+    from eagle_extract.job.guard import read_lines
+
+    unread, named, done = read_lines(b"", b"rm /t/ee-ab\nrm /t/eagle_extract_heart")
+    assert (unread, named, done) == (b"rm /t/eagle_extract_heart", [b"/t/ee-ab"], False)
+    unread, named, done = read_lines(unread, b"beat.x\nrm /home/me\nrm /t/my ee-x\nrm /t/with space/ee-2\n")
+    assert (unread, named, done) == (b"", [b"/t/eagle_extract_heartbeat.x", b"/t/with space/ee-2"], False)
+    assert read_lines(b"", b"rm /t/ee-3\ndone\n") == (b"", [b"/t/ee-3"], True)
+    assert read_lines(b"do", b"ne") == (b"done", [], False)  # not yet a line
 
 
 def _hold_shared_memory(names) -> None:

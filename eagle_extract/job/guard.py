@@ -12,7 +12,8 @@ left (vLLM's message queues in /dev/shm, hundreds of MB each), then ends; the gu
 outlives TRACKER_S.  What of Python's in /dev/shm the processes noted mapped (read every MAPS_S) and is still
 there then, the guard removes: a SIGKILL to the whole process group (`kill -9 -PGID`) kills the tracker too,
 but not the guard, which runs in a session of its own.  A line `rm PATH` names a temporary file or folder of
-the engine's (the watch's heartbeat, vLLM's sockets' folder), which the guard removes after the processes.
+the engine's (the watch's heartbeat, vLLM's sockets' folder), which the guard removes after the processes;
+only those names (TEMPORARY): a mangled line cannot name a user's folder.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ TRACKER = "from multiprocessing.resource_tracker import main;"  # its `-c` progr
 MAPS_S = 2.0  # how often the files the processes noted map in /dev/shm are read
 SHM = "/dev/shm"
 PYTHON_SHM = {"psm_": "shared_memory", "sem.mp-": "semaphore"}  # Python's names there, by the tracker's kind
+TEMPORARY = (b"eagle_extract_heartbeat.", b"ee-")  # the names of what `rm` lines may name (watch.py, engine.py)
 
 
 def _started(proc) -> float | None:
@@ -139,6 +141,23 @@ def remove_shm(inodes: set[int]) -> list[str]:
     return removed
 
 
+def read_lines(unread: bytes, chunk: bytes) -> tuple[bytes, list[bytes], bool]:
+    """The parent's lines so far: what is left of a line cut between reads, the paths `rm` lines named, and
+    whether `done` came."""
+    *lines, unread = (unread + chunk).split(b"\n")
+    named = [line[3:] for line in lines if line.startswith(b"rm ")]
+    return unread, [path for path in named if os.path.basename(path).startswith(TEMPORARY)], b"done" in lines
+
+
+def remove_temporary(paths: list[bytes]) -> None:
+    for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
 def main(argv: list[str]) -> None:
     import psutil
 
@@ -158,10 +177,10 @@ def main(argv: list[str]) -> None:
             chunk = os.read(stdin, 4096)
             if not chunk:  # the parent is gone
                 break
-            *lines, unread = (unread + chunk).split(b"\n")
-            if b"done" in lines:
+            unread, named, done = read_lines(unread, chunk)
+            leftovers += named
+            if done:
                 return
-            leftovers += [line[3:] for line in lines if line.startswith(b"rm ")]
         noted = {pid: proc for pid, proc in noted.items() if proc.is_running()}  # those gone, forgotten
         noted.update(_descendants(parent, ignored))
         if time.monotonic() - looked > MAPS_S:
@@ -169,16 +188,19 @@ def main(argv: list[str]) -> None:
             mapped |= shm_inodes(noted)
         if not parent.is_running():
             break
+    while select.select([stdin], [], [], 0)[0]:  # what the parent wrote just before its end
+        chunk = os.read(stdin, 4096)
+        unread, named, done = read_lines(unread, chunk)
+        leftovers += named
+        if done:
+            return
+        if not chunk:
+            break
     _, left = psutil.wait_procs(stop_tree(noted), timeout=TRACKER_S)
     for proc in left:  # another process still holds its pipe: nothing it could clean up yet
         _send(proc, signal.SIGKILL)
     remove_shm(mapped)  # what the tracker, killed with them, could not
-    for path in leftovers:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+    remove_temporary(leftovers)
 
 
 if __name__ == "__main__":

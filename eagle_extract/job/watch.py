@@ -84,7 +84,7 @@ class EngineWatch:
 
     def leaves(self, path: str) -> None:
         """A temporary file or folder of the engine's: the guard removes it should this process die first."""
-        if self._guard is not None:
+        if self._guard is not None and "\n" not in str(path):  # a line each
             with contextlib.suppress(OSError):
                 self._guard.stdin.write(b"rm " + os.fsencode(path) + b"\n")
                 self._guard.stdin.flush()
