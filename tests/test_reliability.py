@@ -25,6 +25,7 @@ from eagle_extract.files.manifest import read_manifest
 from eagle_extract.files.rowfile import LAYER_IDS, hidden_state_path, read_row, row_metadata
 from eagle_extract.job.lock import MAIN
 from eagle_extract.job.output import LOG, REPLACEMENT, RUN_FILE
+from eagle_extract.runlog import START
 
 from .common import assert_documented, load_row, rel_err
 from .conftest import BUDGET, ONE_PROCESS, run_cli
@@ -400,15 +401,20 @@ def test_one_output_folder_through_a_failure_a_rival_a_dead_worker_a_power_cut_a
     assert f"is being written by another eagle-extract run (pid {first.pid} on" in lines[0]
     assert_documented("Before the engine starts", "a second run into a folder a run is writing", lines[0])
 
-    # a resume whose engine runs in another dtype than the rows so far (--dtype auto elsewhere) is refused
+    # a resume whose engine runs in another dtype than the rows so far (--dtype auto elsewhere) is refused, before
+    # the engine starts: --dtype float32 runs as asked
     kept = sorted((out / "hidden_states").glob("hs_*.safetensors"))
     first = hidden_state_path(out, min(int(p.stem.split("_")[1]) for p in kept))
     original, tensors = first.read_bytes(), load_file(str(first))
     save_file({**tensors, "hidden_states": tensors["hidden_states"].bfloat16()}, str(first))
     refused = run_cli(*args, check=False)
-    case = "a resume whose engine chose another dtype than the rows so far (`--dtype auto` on another GPU or vLLM)"
+    case = (
+        "a resume whose engine runs in another dtype than the rows so far (`--dtype auto` chose otherwise on another "
+        "GPU or vLLM, or a model whose config says float32, run first with `--dtype auto`, then with `--dtype float32`)"
+    )
     assert_documented(RUN, case, refused.stderr.strip().splitlines()[-1])
     assert "runs in float32, but the" in refused.stderr and "are bfloat16" in refused.stderr
+    assert not re.search(r"\[\w+\.py:\d+\]", (out / LOG).read_text().split(START)[-1])  # nothing vLLM logs
     first.write_bytes(original)
 
     # what a power cut can do to files whose names reached the disk before their bytes did
@@ -480,7 +486,6 @@ def test_engine_failure_names_what_the_engine_process_logged_in_this_run(tmp_pat
     docs/results/gpu_checks_vllm-0.24.0_kimi_int4_after_moe_h200_2026-12-03.txt), never one an earlier
     run wrote into the same log."""
     from eagle_extract.errors import engine_failed
-    from eagle_extract.runlog import START
 
     log = tmp_path / "eagle_extract.log"
     earlier = f"2026-12-03 08:00:00 eagle-extract: {START}eagle-extract --model m\n" + (
@@ -512,7 +517,6 @@ def test_engine_failure_names_the_fix_for_humming_running_out_of_memory_while_lo
     docs/results/kimi_int4_7l_marlin_then_humming_vllm-0.34.0_h100_2026-12-06.log): the line names moe_backend=marlin
     and leaves out torch's allocator advice; another out-of-memory error gets no such fix."""
     from eagle_extract.errors import engine_failed
-    from eagle_extract.runlog import START
 
     error = "(EngineCore pid=2430) ERROR 12-06 06:33:09 [core.py:1757] "
     oom = (

@@ -149,6 +149,8 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
         if done:
             log("checking the row files an interrupted run wrote")
         todo = Todo(plan, store, done)
+        if todo.done and cfg.dtype in AS_ASKED:
+            refuse_other_dtype(shards.rows_folder(output, plan.shard), todo.done, cfg, cfg.dtype)
         expected = sized[0]
         mine = -(-expected // plan.shard[1]) if plan.shard else expected
         log(_outlook(plan, sized, mine, tokenizing.processes, todo))
@@ -447,15 +449,7 @@ class Capture:
         self.redo: list[int] = []  # rows to run again (finish)
 
     def refuse_other_dtype(self, done: set[int]) -> None:
-        """The rows already in the folder and the engine's must be of one dtype."""
-        kept_as = header_dtype(self.folder, min(done)) if not (self.cfg.fp8 or self.cfg.legacy) else None
-        runs_as = self.writers[0]["dtype"]
-        if kept_as and kept_as != runs_as:
-            raise ExtractError(
-                f"the engine runs in {runs_as}, but the {len(done)} rows already written are {kept_as}; "
-                f"resume where the engine runs in {kept_as} (--dtype auto can choose otherwise on another GPU or "
-                "vLLM), or pass --overwrite to start over"
-            )
+        refuse_other_dtype(self.folder, done, self.cfg, self.writers[0]["dtype"])
 
     def run(self, llm, batch: list) -> dict:
         """Hand `batch`, (row, ids, mask) each, to the engine; returns the workers' report."""
@@ -536,6 +530,22 @@ class Capture:
         for i in rows:
             if self.pending.pop(i, None) is not None:
                 self.written += 1
+
+
+# --dtype values every vLLM release runs the engine in as asked, so a resume in another is refused before the
+# model loads (float16 may run as bfloat16 where a platform lacks it; auto is the engine's choice)
+AS_ASKED = ("bfloat16", "float32")
+
+
+def refuse_other_dtype(folder: Path, done: set[int], cfg, runs_as: str) -> None:
+    """The rows already in the folder and the engine's must be of one dtype."""
+    kept_as = header_dtype(folder, min(done)) if not (cfg.fp8 or cfg.legacy) else None
+    if kept_as and kept_as != runs_as:
+        raise ExtractError(
+            f"the engine runs in {runs_as}, but the {len(done)} rows already written are {kept_as}; "
+            f"resume where the engine runs in {kept_as} (--dtype auto can choose otherwise on another GPU or "
+            "vLLM), or pass --overwrite to start over"
+        )
 
 
 def _capture(llm, plan: Plan, todo: Todo, batches, total: int, note, watch: EngineWatch) -> tuple:
