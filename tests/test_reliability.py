@@ -25,7 +25,7 @@ from eagle_extract.files.manifest import read_manifest
 from eagle_extract.files.rowfile import LAYER_IDS, hidden_state_path, read_row, row_metadata
 from eagle_extract.job.lock import MAIN
 from eagle_extract.job.output import LOG, REPLACEMENT, RUN_FILE
-from eagle_extract.runlog import START
+from eagle_extract.runlog import NOTE, START
 
 from .common import assert_documented, load_row, rel_err
 from .conftest import BUDGET, ONE_PROCESS, run_cli
@@ -414,7 +414,9 @@ def test_one_output_folder_through_a_failure_a_rival_a_dead_worker_a_power_cut_a
     )
     assert_documented(RUN, case, refused.stderr.strip().splitlines()[-1])
     assert "runs in float32, but the" in refused.stderr and "are bfloat16" in refused.stderr
-    assert not re.search(r"\[\w+\.py:\d+\]", (out / LOG).read_text().split(START)[-1])  # nothing vLLM logs
+    *_, killed, this = (out / LOG).read_text().split(NOTE + START)
+    vllm_logged = re.compile(r"\[\w+\.py:\d+\]")  # as vLLM's log lines name their source
+    assert vllm_logged.search(killed) and not vllm_logged.search(this)  # the engine started for one, not the other
     first.write_bytes(original)
 
     # what a power cut can do to files whose names reached the disk before their bytes did

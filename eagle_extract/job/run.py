@@ -143,14 +143,14 @@ def _extract_rows(plan: Plan, source: tuple, run_log: RunLog, watch: EngineWatch
             sized = _sized(plan, first, completed_rows(output, cfg.legacy), None)
         fresh = cfg.overwrite and not cfg.regenerate  # a regenerating run prepared (and cleared) the folder already
         done = out.prepare_output(output, plan.identity, fresh, plan.shard)
+        if done and cfg.dtype in AS_ASKED:  # before the tokenizing workers start (a damaged first file: after)
+            refuse_other_dtype(shards.rows_folder(output, plan.shard), done, cfg, cfg.dtype)
         store = TokenStore(output / store_name(plan.shard))
         tokenizing = _tokenizing(plan, store, rows, first)
         tokenizing.start()
         if done:
             log("checking the row files an interrupted run wrote")
         todo = Todo(plan, store, done)
-        if todo.done and cfg.dtype in AS_ASKED:
-            refuse_other_dtype(shards.rows_folder(output, plan.shard), todo.done, cfg, cfg.dtype)
         expected = sized[0]
         mine = -(-expected // plan.shard[1]) if plan.shard else expected
         log(_outlook(plan, sized, mine, tokenizing.processes, todo))
@@ -541,10 +541,10 @@ def refuse_other_dtype(folder: Path, done: set[int], cfg, runs_as: str) -> None:
     """The rows already in the folder and the engine's must be of one dtype."""
     kept_as = header_dtype(folder, min(done)) if not (cfg.fp8 or cfg.legacy) else None
     if kept_as and kept_as != runs_as:
-        raise ExtractError(
-            f"the engine runs in {runs_as}, but the {len(done)} rows already written are {kept_as}; "
-            f"resume where the engine runs in {kept_as} (--dtype auto can choose otherwise on another GPU or "
-            "vLLM), or pass --overwrite to start over"
+        raise ExtractError(  # --dtype is in the run's settings: only auto, as where they were written, resumes
+            f"the engine runs in {runs_as}, but the {len(done)} rows already written are {kept_as} (--dtype auto "
+            f"chose that where they were written); resume with --dtype auto where it chooses {kept_as}, or pass "
+            "--overwrite to start over"
         )
 
 
