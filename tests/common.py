@@ -52,6 +52,11 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy(f, Path(dst) / f.name)
 
 
+def engine_temporary(folder: Path) -> list[Path]:
+    """The temporary files a run's engine keeps in `folder` (its TMPDIR): the watch's heartbeat, vLLM's sockets'."""
+    return [*folder.glob("ee-*"), *folder.glob("eagle_extract_heartbeat.*")]
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())

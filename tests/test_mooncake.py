@@ -15,15 +15,19 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
-from .common import Reference, rel_err
+from eagle_extract.job.engine import own_socket_folder
+
+from .common import Reference, engine_temporary, rel_err
 from .test_serve import Server, _alive, _dataset, _free_port, _online_dataset
 
 TTL_S = 8  # --spool-ttl of the server: an uncollected object goes this long after it was put
@@ -235,18 +239,18 @@ def test_sigkill_of_the_server_leaves_no_engine_and_the_next_start_sweeps_its_ro
     maps = " ".join(Path(f"/proc/{p.pid}/maps").read_text() for p in engine).split()
     queues = {Path(word) for word in maps if word.startswith("/dev/shm/psm_")}
     assert queues, "the engine maps no shared memory"
-    ours = lambda: [*s.tmpdir.glob("ee-*"), *s.tmpdir.glob("eagle_extract_heartbeat.*")]  # noqa: E731
-    short = len(str(s.tmpdir)) + len("/ee-12345678/") + 36 <= 107  # where engine.own_socket_folder makes one
-    assert len(ours()) == 1 + short  # the watch's heartbeat, and vLLM's sockets' folder
+    with mock.patch.object(tempfile, "tempdir", str(s.tmpdir)):  # the server's temp folder
+        socket_folder = own_socket_folder(None)
+    assert len(engine_temporary(s.tmpdir)) == 1 + socket_folder  # the watch's heartbeat, vLLM's sockets' folder
     os.kill(s.proc.pid, signal.SIGKILL)
     s.proc.wait(timeout=10)
     deadline = time.monotonic() + 20
-    behind = lambda: [p for p in engine if _alive(p)] + [q for q in queues if q.exists()] + ours()  # noqa: E731
-    while behind() and time.monotonic() < deadline:
+    alive = lambda: [p for p in engine if _alive(p)]  # noqa: E731
+    while (alive() or any(q.exists() for q in queues) or engine_temporary(s.tmpdir)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [p for p in engine if _alive(p)], [p.pid for p in engine if _alive(p)]
+    assert not alive(), [p.pid for p in alive()]
     assert not [q for q in queues if q.exists()]
-    assert not ours()  # the guard removed them, as it was told
+    assert not engine_temporary(s.tmpdir)  # the guard removed them, as it was told
     left = s.folder() / "hidden_states" / "hs_7.safetensors"  # a row the killed server had not put yet
     left.write_bytes(b"x" * 5000)
     live = s.spool / f"{folder_prefix()}live"

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from eagle_extract.data.samples import tokenize_conversation
 from eagle_extract.job.regenerate import JOURNAL
 
-from .common import SAMPLE_DATA
+from .common import SAMPLE_DATA, engine_temporary
 from .conftest import ONE_PROCESS, run_cli
 
 MAX_NEW = 40
@@ -66,7 +66,6 @@ def test_regenerate_questions_and_replace_dataset_answers_skipping_bad_rows(tmp_
     # killed mid-regeneration: the answers of its finished engine calls (one answer each here) are kept, and
     # the engine's guard removes its temporary files ...
     tmpdir = tmp_path_factory.mktemp("t")  # short enough for vLLM's sockets' folder of the run's own
-    temporary = lambda: [*tmpdir.glob("ee-*"), *tmpdir.glob("eagle_extract_heartbeat.*")]  # noqa: E731
     killed = subprocess.Popen(
         [sys.executable, "-m", "eagle_extract", *args, "--regenerate-batch-size", "1"],
         stdout=subprocess.DEVNULL,
@@ -80,15 +79,15 @@ def test_regenerate_questions_and_replace_dataset_answers_skipping_bad_rows(tmp_
         while not (journal.exists() and journal.read_bytes().count(b"\n") >= 2):
             assert time.time() < deadline and killed.poll() is None, "no answers were journaled"
             time.sleep(0.02)
-        assert len(temporary()) == 2, temporary()
+        assert len(engine_temporary(tmpdir)) == 2, engine_temporary(tmpdir)
     finally:
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait()
     assert not (out / "regenerated.jsonl").exists()
     deadline = time.time() + 30
-    while temporary() and time.time() < deadline:  # the engine's guard removes them once it has stopped the engine
+    while engine_temporary(tmpdir) and time.time() < deadline:  # the guard removes them once the engine is stopped
         time.sleep(0.1)
-    assert not temporary()
+    assert not engine_temporary(tmpdir)
     kept = journal.read_bytes().count(b"\n")
     # ... and the rerun generates only the rest, several conversations per engine call
     resumed = run_cli(*args, env=ONE_PROCESS)

@@ -171,16 +171,23 @@ def main(argv: list[str]) -> None:
     looked = time.monotonic()
     stdin = sys.stdin.fileno()
     unread = b""
+
+    def read() -> tuple[bytes, bool]:
+        """One read of the parent's pipe: what came (b"" once the parent is gone) and whether `done` came."""
+        nonlocal unread
+        chunk = os.read(stdin, 4096)
+        unread, named, done = read_lines(unread, chunk)
+        leftovers.extend(named)
+        return chunk, done
+
     while True:
         ready, _, _ = select.select([stdin], [], [], SCAN_S)
         if ready:
-            chunk = os.read(stdin, 4096)
-            if not chunk:  # the parent is gone
-                break
-            unread, named, done = read_lines(unread, chunk)
-            leftovers += named
+            chunk, done = read()
             if done:
                 return
+            if not chunk:  # the parent is gone
+                break
         noted = {pid: proc for pid, proc in noted.items() if proc.is_running()}  # those gone, forgotten
         noted.update(_descendants(parent, ignored))
         if time.monotonic() - looked > MAPS_S:
@@ -189,9 +196,7 @@ def main(argv: list[str]) -> None:
         if not parent.is_running():
             break
     while select.select([stdin], [], [], 0)[0]:  # what the parent wrote just before its end
-        chunk = os.read(stdin, 4096)
-        unread, named, done = read_lines(unread, chunk)
-        leftovers += named
+        chunk, done = read()
         if done:
             return
         if not chunk:

@@ -448,9 +448,6 @@ class Capture:
         self.handed = self.written = 0
         self.redo: list[int] = []  # rows to run again (finish)
 
-    def refuse_other_dtype(self, done: set[int]) -> None:
-        refuse_other_dtype(self.folder, done, self.cfg, self.writers[0]["dtype"])
-
     def run(self, llm, batch: list) -> dict:
         """Hand `batch`, (row, ids, mask) each, to the engine; returns the workers' report."""
         self.pending.update((i, (ids, mask)) for i, ids, mask in batch)
@@ -555,7 +552,7 @@ def _capture(llm, plan: Plan, todo: Todo, batches, total: int, note, watch: Engi
     estimated row count, for the progress display."""
     capture = Capture(llm, plan)
     if todo.done:
-        capture.refuse_other_dtype(todo.done)
+        refuse_other_dtype(capture.folder, todo.done, capture.cfg, capture.writers[0]["dtype"])
     watch.beat()
     history = [(0, 0)]  # (settled, unmatched) rows after each batch
     t1 = time.perf_counter()
