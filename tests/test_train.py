@@ -466,3 +466,40 @@ def test_the_trainers_wait_for_data_is_read_from_speculators_own_console(tmp_pat
     assert "online 0.06 s (1.00x offline's; +0.00 s)" in got.stdout
     cut = run_script("trainer_wait.py", str(logs["narrow"]))
     assert cut.returncode == 1 and "a step's record is cut" in cut.stderr and "COLUMNS=4000" in cut.stderr
+
+
+def test_the_servers_counters_while_the_online_trainer_ran(tmp_path):
+    """--server reads what the server's own `GET /metrics` (its Metrics collector, in Prometheus' text format) moved
+    by between a scrape before the online trainer and one after; files without those counters are one line naming
+    the fix."""
+    from prometheus_client import generate_latest
+
+    from eagle_extract.faces.routes import Metrics
+
+    loop = SimpleNamespace(rows=0, tokens=0, redone=0, abandoned=0, steps=10, step_s=1.0, drain_s=0.5, worker_s=0.1,
+                           starved_s=2.0, failed=None, waiting=lambda: 0)  # fmt: skip
+    spool = SimpleNamespace(waiting_for_room=lambda: 0, used=lambda: 0, limit=1 << 30)
+    metrics = Metrics(loop, spool, set(), None)
+    before, after = tmp_path / "before.txt", tmp_path / "after.txt"
+    before.write_bytes(generate_latest(metrics.registry))
+    for seconds in (0.02, 0.03, 0.07):
+        metrics.row_seconds.observe(seconds)
+    loop.rows, loop.steps, loop.step_s, loop.drain_s, loop.starved_s = 3, 16, 1.9, 1.25, 2.5
+    after.write_bytes(generate_latest(metrics.registry))
+    log = tmp_path / "trainer.log"  # two epochs of speculators' step records, the fields trainer_wait.py reads
+    log.write_text(
+        "".join(f"INFO train/loss=1.0, profile/fetch_ms=5.0, profile/step_ms=20.0, epoch={e}\n" for e in (0, 1))
+    )
+    got = run_script("trainer_wait.py", str(log), str(log), "--server", str(before), str(after),
+                     "--json", str(tmp_path / "w.json"))  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    moved = json.loads((tmp_path / "w.json").read_text())["server"]
+    assert moved == pytest.approx({"rows": 3, "steps": 6, "rows_a_step": 0.5, "row_s_mean": 0.04,
+                                   "engine_step_s": 0.9, "engine_wait_s": 0.75, "engine_starved_s": 0.5})  # fmt: skip
+    assert (
+        "the server meanwhile: 3 rows in 6 engine steps (0.5 a step), a row 40.0 ms from its request to its "
+        "answer (mean); the engine 0.9 s in steps, 0.8 s in looks at its workers, 0.5 s starved"
+    ) in got.stdout
+    bad = run_script("trainer_wait.py", str(log), str(log), "--server", str(log), str(after))
+    assert bad.returncode == 1 and "no eagle_extract_row_seconds_count in them" in bad.stderr, bad.stderr
+    assert "save eagle-extract serve's GET /metrics" in bad.stderr

@@ -18,7 +18,8 @@
 # drafts (default plain,KINDS,ngram; the online drafts: their kinds alone).
 # WORKERS (default 4) is speculators' --num-workers, its loader workers, offline and online alike: online each holds one
 # row in flight. Each trainer's console goes to WORK/train[-online]-KIND.log too, and after the online stage
-# train/trainer_wait.py compares the two trainers' wait for data per epoch (WORK/trainer_wait-KIND.json).
+# train/trainer_wait.py compares the two trainers' wait for data per epoch (WORK/trainer_wait-KIND.json), with what
+# the server's engine did meanwhile (its GET /metrics before and after: WORK/serve-metrics-KIND-{before,after}.txt).
 # EXTRACT_ARGS adds eagle-extract options (e.g. "--engine-arg gpu_memory_utilization=0.5" to share the GPU).
 # TEMPERATURE (default 0.7) samples the answers; lower is closer to the greedy decoding measured at the end
 # (0: greedy, then COPIES=1). SYNTH=N adds N distinct prompts the model writes itself (synthesize_prompts.py).
@@ -102,13 +103,22 @@ for (( waited = 0; ; waited += 2 )); do
   sleep 2
 done
 grep '^serving http' "$work/serve.log"
+metrics() {  # metrics FILE: the server's GET /metrics, for what its engine did while a trainer ran (a figure only)
+  python3 -c "import sys, urllib.request
+sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())" "http://127.0.0.1:$port/metrics" \
+    > "$1" || { rm -f "$1"; echo "end_to_end.sh: the server's /metrics could not be read" >&2; }
+}
 for kind in "${kinds[@]}"; do
   start=$(date +%s)
+  metrics "$work/serve-metrics-$kind-before.txt"
   trainer "$work/train-online-$kind.log" "$work/out-online" "$(folder "$kind" draft-online)" "$kind" \
     --vllm-endpoint "http://127.0.0.1:$port/v1" --hidden-states-backend file
+  metrics "$work/serve-metrics-$kind-after.txt"
   echo "online training, $kind: $(( $(date +%s) - start )) s"
   if [ -f "$work/train-$kind.log" ]; then  # a figure, not a stage: its failure stops nothing
-    python3 train/trainer_wait.py "$work/train-$kind.log" "$work/train-online-$kind.log" \
+    scraped=("$work/serve-metrics-$kind-before.txt" "$work/serve-metrics-$kind-after.txt")
+    [[ -f ${scraped[0]} && -f ${scraped[1]} ]] && moved=(--server "${scraped[@]}") || moved=()
+    python3 train/trainer_wait.py "$work/train-$kind.log" "$work/train-online-$kind.log" "${moved[@]}" \
       --json "$work/trainer_wait-$kind.json" || echo "end_to_end.sh: no comparison of the trainers' wait for data" >&2
   fi
 done

@@ -1,6 +1,6 @@
 """How long speculators' trainer waited for data, per epoch, from its console log (its step profile).
 
-    python train/trainer_wait.py OFFLINE_LOG [ONLINE_LOG] [--json FILE]
+    python train/trainer_wait.py OFFLINE_LOG [ONLINE_LOG] [--server BEFORE AFTER] [--json FILE]
 
 speculators 0.9 profiles every step at its default --log-freq 1: `profile/fetch_ms` is the time from the end of
 the step before to the step's batch on the GPU, which is mostly the wait for the loader workers but also holds the
@@ -9,7 +9,9 @@ validation).  A step after a checkpoint save ("Saving checkpoint to" in the log)
 is the wait and a few ms of logging a step, alike offline and online.  Its console handler (rich) wraps a record
 at the terminal's width, so the trainer must run with a wide one (`COLUMNS=4000`, as train/end_to_end.sh runs it).
 The first epoch holds the trainer's warm-up (tens of seconds in its first step), so the comparison is the mean
-of the epochs after the first; with two logs the last line gives online's wait against offline's.
+of the epochs after the first; with two logs the last line gives online's wait against offline's.  --server: the
+online server's `GET /metrics` saved before and after the online trainer ran, for what its engine did meanwhile
+(rows a step, a row's time from its request to its answer, the engine's seconds busy and starved of requests).
 """
 
 from __future__ import annotations
@@ -61,6 +63,42 @@ def epochs(log: Path) -> list[dict]:
     return [{"epoch": e, **per[e]} for e in sorted(per)]
 
 
+def counters(path: Path) -> dict[str, float]:
+    """eagle-extract serve's own samples in a saved `GET /metrics` (Prometheus' text format), by name."""
+    found = {}
+    for line in path.read_text(errors="replace").splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("eagle_extract_") and "{" not in name:
+            found[name] = float(value)
+    return found
+
+
+SERVER = {  # what --server reports: its name in the JSON, and the counter it is the change of
+    "rows": "eagle_extract_row_seconds_count",
+    "row_seconds": "eagle_extract_row_seconds_sum",
+    "steps": "eagle_extract_engine_steps_total",
+    "engine_step_s": "eagle_extract_engine_step_seconds_total",
+    "engine_wait_s": "eagle_extract_engine_wait_seconds_total",
+    "engine_starved_s": "eagle_extract_engine_starved_seconds_total",
+}
+
+
+def server_while(before: Path, after: Path) -> dict:
+    """What the server's counters moved by between the two scrapes."""
+    first, last = counters(before), counters(after)
+    missing = [name for name in SERVER.values() if name not in first or name not in last]
+    if missing:
+        raise click.ClickException(
+            f"--server {before} {after}: no {missing[0]} in them: save eagle-extract serve's GET /metrics "
+            "before and after the online trainer, as train/end_to_end.sh does"
+        )
+    moved = {key: last[name] - first[name] for key, name in SERVER.items()}
+    rows, steps = moved["rows"], moved["steps"]
+    moved["rows_a_step"] = rows / steps if steps else None
+    moved["row_s_mean"] = moved.pop("row_seconds") / rows if rows else None
+    return moved
+
+
 def after_first(rows: list[dict], key: str) -> float:
     """The mean per epoch after the first, the trainer's warm-up."""
     if len(rows) < 2:
@@ -70,8 +108,10 @@ def after_first(rows: list[dict], key: str) -> float:
 
 @click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("logs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--server", nargs=2, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="the online server's GET /metrics saved before and after the online trainer")  # fmt: skip
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the figures here")
-def main(logs: tuple[Path, ...], json_path: Path | None) -> None:
+def main(logs: tuple[Path, ...], server: tuple[Path, Path] | None, json_path: Path | None) -> None:
     if len(logs) > 2:
         raise click.UsageError("give the offline trainer's log, then optionally the online one's")
     result = {}
@@ -91,6 +131,14 @@ def main(logs: tuple[Path, ...], json_path: Path | None) -> None:
         ratio = f"{online / offline:.2f}x offline's" if offline else "offline never waited"
         click.echo(f"waiting for data, mean per epoch after the first: offline {offline:.2f} s, online {online:.2f} s "
                    f"({ratio}; {online - offline:+.2f} s)")  # fmt: skip
+    if server:
+        got = result["server"] = server_while(*server)
+        a_step = f"{got['rows_a_step']:.1f}" if got["rows_a_step"] is not None else "-"
+        a_row = f"{got['row_s_mean'] * 1000:,.1f} ms" if got["row_s_mean"] is not None else "-"
+        click.echo(f"the server meanwhile: {got['rows']:,.0f} rows in {got['steps']:,.0f} engine steps ({a_step} "
+                   f"a step), a row {a_row} from its request to its answer (mean); the engine "
+                   f"{got['engine_step_s']:.1f} s in steps, {got['engine_wait_s']:.1f} s in looks at its workers, "
+                   f"{got['engine_starved_s']:.1f} s starved of requests")  # fmt: skip
     if json_path:
         json_path.write_text(json.dumps(result, indent=1) + "\n")
 
