@@ -484,7 +484,8 @@ def test_the_servers_counters_while_the_online_trainer_ran(tmp_path):
     before.write_bytes(generate_latest(metrics.registry))
     for seconds in (0.02, 0.03, 0.07):
         metrics.row_seconds.observe(seconds)
-    loop.rows, loop.steps, loop.step_s, loop.drain_s, loop.starved_s = 3, 16, 1.9, 1.25, 2.5
+    loop.rows = 5  # its own counter, not the histogram's: the rows answered are the histogram's count
+    loop.steps, loop.step_s, loop.drain_s, loop.starved_s = 16, 1.9, 1.25, 2.5
     after.write_bytes(generate_latest(metrics.registry))
     log = tmp_path / "trainer.log"  # two epochs of speculators' step records, the fields trainer_wait.py reads
     log.write_text(
@@ -500,6 +501,8 @@ def test_the_servers_counters_while_the_online_trainer_ran(tmp_path):
         "the server meanwhile: 3 rows in 6 engine steps (0.5 a step), a row 40.0 ms from its request to its "
         "answer (mean); the engine 0.9 s in steps, 0.8 s in looks at its workers, 0.5 s starved"
     ) in got.stdout
+    swapped = run_script("trainer_wait.py", str(log), str(log), "--server", str(after), str(before))
+    assert swapped.returncode == 1 and "the counters went back" in swapped.stderr, swapped.stderr
     bad = run_script("trainer_wait.py", str(log), str(log), "--server", str(log), str(after))
     assert bad.returncode == 1 and "no eagle_extract_row_seconds_count in them" in bad.stderr, bad.stderr
     assert "save eagle-extract serve's GET /metrics" in bad.stderr

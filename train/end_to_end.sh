@@ -103,22 +103,24 @@ for (( waited = 0; ; waited += 2 )); do
   sleep 2
 done
 grep '^serving http' "$work/serve.log"
-metrics() {  # metrics FILE: the server's GET /metrics, for what its engine did while a trainer ran (a figure only)
-  python3 -c "import sys, urllib.request
-sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())" "http://127.0.0.1:$port/metrics" \
-    > "$1" || { rm -f "$1"; echo "end_to_end.sh: the server's /metrics could not be read" >&2; }
+metrics() {  # metrics FILE: the server's GET /metrics (no proxy), for what its engine did while a trainer ran
+  python3 -c "import sys, urllib.request as r
+sys.stdout.write(r.build_opener(r.ProxyHandler({})).open(sys.argv[1], timeout=30).read().decode())" \
+    "http://127.0.0.1:$port/metrics" > "$1" 2>/dev/null \
+    || { rm -f "$1"; echo "end_to_end.sh: GET http://127.0.0.1:$port/metrics failed: the comparison of the trainers'" \
+         "wait will have no server figures" >&2; }
 }
 for kind in "${kinds[@]}"; do
-  start=$(date +%s)
   metrics "$work/serve-metrics-$kind-before.txt"
+  start=$(date +%s)
   trainer "$work/train-online-$kind.log" "$work/out-online" "$(folder "$kind" draft-online)" "$kind" \
     --vllm-endpoint "http://127.0.0.1:$port/v1" --hidden-states-backend file
-  metrics "$work/serve-metrics-$kind-after.txt"
   echo "online training, $kind: $(( $(date +%s) - start )) s"
+  metrics "$work/serve-metrics-$kind-after.txt"
   if [ -f "$work/train-$kind.log" ]; then  # a figure, not a stage: its failure stops nothing
     scraped=("$work/serve-metrics-$kind-before.txt" "$work/serve-metrics-$kind-after.txt")
     [[ -f ${scraped[0]} && -f ${scraped[1]} ]] && moved=(--server "${scraped[@]}") || moved=()
-    python3 train/trainer_wait.py "$work/train-$kind.log" "$work/train-online-$kind.log" "${moved[@]}" \
+    python3 train/trainer_wait.py "$work/train-$kind.log" "$work/train-online-$kind.log" ${moved[@]+"${moved[@]}"} \
       --json "$work/trainer_wait-$kind.json" || echo "end_to_end.sh: no comparison of the trainers' wait for data" >&2
   fi
 done

@@ -10,7 +10,8 @@ is the wait and a few ms of logging a step, alike offline and online.  Its conso
 at the terminal's width, so the trainer must run with a wide one (`COLUMNS=4000`, as train/end_to_end.sh runs it).
 The first epoch holds the trainer's warm-up (tens of seconds in its first step), so the comparison is the mean
 of the epochs after the first; with two logs the last line gives online's wait against offline's.  --server: the
-online server's `GET /metrics` saved before and after the online trainer ran, for what its engine did meanwhile
+online server's `GET /metrics` saved before and after the online trainer ran (one server: with `serve --replicas`
+each scrape is one replica's), for what its engine did meanwhile
 (rows a step, a row's time from its request to its answer, the engine's seconds busy and starved of requests).
 """
 
@@ -66,10 +67,13 @@ def epochs(log: Path) -> list[dict]:
 def counters(path: Path) -> dict[str, float]:
     """eagle-extract serve's own samples in a saved `GET /metrics` (Prometheus' text format), by name."""
     found = {}
-    for line in path.read_text(errors="replace").splitlines():
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         name, _, value = line.rpartition(" ")
         if name.startswith("eagle_extract_") and "{" not in name:
-            found[name] = float(value)
+            try:
+                found[name] = float(value)
+            except ValueError:
+                raise click.ClickException(f"{path}:{number}: not GET /metrics' text: save its whole answer") from None
     return found
 
 
@@ -93,6 +97,11 @@ def server_while(before: Path, after: Path) -> dict:
             "before and after the online trainer, as train/end_to_end.sh does"
         )
     moved = {key: last[name] - first[name] for key, name in SERVER.items()}
+    if any(value < 0 for value in moved.values()):
+        raise click.ClickException(
+            f"--server {before} {after}: the counters went back (the files swapped, or from two servers or replicas): "
+            "give one server's GET /metrics, saved before the online trainer and then after it"
+        )
     rows, steps = moved["rows"], moved["steps"]
     moved["rows_a_step"] = rows / steps if steps else None
     moved["row_s_mean"] = moved.pop("row_seconds") / rows if rows else None
@@ -109,7 +118,7 @@ def after_first(rows: list[dict], key: str) -> float:
 @click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("logs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--server", nargs=2, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="the online server's GET /metrics saved before and after the online trainer")  # fmt: skip
+              help="one server's GET /metrics, saved before and after the online trainer")  # fmt: skip
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the figures here")
 def main(logs: tuple[Path, ...], server: tuple[Path, Path] | None, json_path: Path | None) -> None:
     if len(logs) > 2:
