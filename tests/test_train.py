@@ -501,8 +501,18 @@ def test_the_servers_counters_while_the_online_trainer_ran(tmp_path):
         "the server meanwhile: 3 rows in 6 engine steps (0.5 a step), a row 40.0 ms from its request to its "
         "answer (mean); the engine 0.9 s in steps, 0.8 s in looks at its workers, 0.5 s starved"
     ) in got.stdout
-    swapped = run_script("trainer_wait.py", str(log), str(log), "--server", str(after), str(before))
-    assert swapped.returncode == 1 and "the counters went back" in swapped.stderr, swapped.stderr
+    other = tmp_path / "other.txt"  # a second server (or a restarted one) whose counters only went forward
+    loop.steps = 40
+    other.write_bytes(generate_latest(Metrics(loop, spool, set(), None).registry))
+    for pair in ([after, before], [before, other]):
+        refused = run_script("trainer_wait.py", str(log), str(log), "--server", *map(str, pair))
+        assert refused.returncode == 1 and "not one server's counters, before then after" in refused.stderr, refused
+    cut = tmp_path / "cut.txt"
+    cut.write_text(
+        after.read_text().replace("eagle_extract_engine_steps_total 16.0", "eagle_extract_engine_steps_total 1e")
+    )
+    unreadable = run_script("trainer_wait.py", str(log), str(log), "--server", str(before), str(cut))
+    assert unreadable.returncode == 1 and "not GET /metrics' text: save its whole answer" in unreadable.stderr
     bad = run_script("trainer_wait.py", str(log), str(log), "--server", str(log), str(after))
     assert bad.returncode == 1 and "no eagle_extract_row_seconds_count in them" in bad.stderr, bad.stderr
     assert "save eagle-extract serve's GET /metrics" in bad.stderr

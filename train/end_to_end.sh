@@ -104,11 +104,13 @@ for (( waited = 0; ; waited += 2 )); do
 done
 grep '^serving http' "$work/serve.log"
 metrics() {  # metrics FILE: the server's GET /metrics (no proxy), for what its engine did while a trainer ran
-  python3 -c "import sys, urllib.request as r
-sys.stdout.write(r.build_opener(r.ProxyHandler({})).open(sys.argv[1], timeout=30).read().decode())" \
-    "http://127.0.0.1:$port/metrics" > "$1" 2>/dev/null \
-    || { rm -f "$1"; echo "end_to_end.sh: GET http://127.0.0.1:$port/metrics failed: the comparison of the trainers'" \
-         "wait will have no server figures" >&2; }
+  local url="http://127.0.0.1:$port/metrics" why
+  why=$(python3 -c "import sys, urllib.request as r
+try:
+    sys.stdout.write(r.build_opener(r.ProxyHandler({})).open(sys.argv[1], timeout=30).read().decode())
+except Exception as exc:
+    sys.exit(f'{type(exc).__name__}: {exc}')" "$url" 2>&1 > "$1") \
+    || { rm -f "$1"; echo "end_to_end.sh: GET $url failed ($why): the trainers' wait has no server figures" >&2; }
 }
 for kind in "${kinds[@]}"; do
   metrics "$work/serve-metrics-$kind-before.txt"

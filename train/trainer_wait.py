@@ -97,10 +97,12 @@ def server_while(before: Path, after: Path) -> dict:
             "before and after the online trainer, as train/end_to_end.sh does"
         )
     moved = {key: last[name] - first[name] for key, name in SERVER.items()}
-    if any(value < 0 for value in moved.values()):
+    born = "eagle_extract_row_seconds_created"  # when the server's histogram began: one per server process
+    if first.get(born) != last.get(born) or any(value < 0 for value in moved.values()):
         raise click.ClickException(
-            f"--server {before} {after}: the counters went back (the files swapped, or from two servers or replicas): "
-            "give one server's GET /metrics, saved before the online trainer and then after it"
+            f"--server {before} {after}: not one server's counters, before then after (two servers or replicas, a "
+            "restart between them, or the files swapped): save one server's GET /metrics before the online trainer "
+            "and again after it"
         )
     rows, steps = moved["rows"], moved["steps"]
     moved["rows_a_step"] = rows / steps if steps else None
