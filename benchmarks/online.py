@@ -12,7 +12,8 @@ check, delete), `--reps` passes.  With --mooncake, then the same through `serve 
 `mooncake_master` on loopback TCP, each client reading with speculators' own mooncake backend (hs-connectors'
 MooncakeTransfer); the spool then only holds each row until it is put.  Rows are random token ids of
 --prompt-len (a fixed seed), the same for all.  --replicas 1 2: the file-spool server with each number of
-replicas (`serve --replicas`, on Ray Serve past 1), one after the other in the same run.  Prints a table,
+replicas (`serve --replicas`, on Ray Serve past 1), one after the other in the same run.  --clients 96 48: each
+count's processes in turn against each server (one offline, one server start for all).  Prints a table,
 then where a row's time went in each pass of the first server (its /metrics: the engine's seconds in steps, in
 looks at its workers and starved of requests, a row's seconds in the server; each client's own clock: a row's
 seconds there); --json saves it all.
@@ -209,20 +210,24 @@ def online(pool, rows: int, port: int | None) -> dict:
 def serve_pass(
     args, datapath: Path, spool: Path, master: str | None = None, replicas: int = 1
 ) -> tuple[list[dict], str]:
-    """One server (the file transfer, or the mooncake one through `master`) and the client processes'
-    `--reps` passes over every row: each pass's figures (`online`), and the server's last line."""
+    """One server (the file transfer, or the mooncake one through `master`) and, for each `--clients` count in
+    turn, that many client processes' `--reps` passes over every row: each count's passes' figures (`online`), and
+    the server's last line."""
     extra = () if master is None else ("--transfer", "mooncake", "--mooncake-master", master,
                                        "--mooncake-global-segment-gib", str(args.mooncake_segment_gib))  # fmt: skip
     extra += ("--replicas", str(replicas)) if replicas > 1 else ()
     server = Serving(args, spool, *extra)
+    on = {}
     try:
         init = (str(datapath), server.port, args.model, args.prompt_len + 1, master, args.fp8)
-        with ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_client, initargs=init) as pool:  # fmt: skip
-            unready = [why for why in pool.map(_ready, range(2 * args.clients)) if why]  # before the clock
-            if unready:
-                raise SystemExit(f"{len(unready)} of {2 * args.clients} client checks failed, first: {unready[0]}")
-            on = [online(pool, args.rows, server.port if replicas == 1 else None) for _ in range(args.reps)]
+        for clients in args.clients:
+            with ProcessPoolExecutor(clients, mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_client, initargs=init) as pool:  # fmt: skip
+                unready = [why for why in pool.map(_ready, range(2 * clients)) if why]  # before the clock
+                if unready:
+                    raise SystemExit(f"{len(unready)} of {2 * clients} client checks failed, first: {unready[0]}")
+                port = server.port if replicas == 1 else None
+                on[clients] = [online(pool, args.rows, port) for _ in range(args.reps)]
     finally:
         said = server.stop()
     print(f"server ({'mooncake' if master else 'file'}): {said}", flush=True)
@@ -237,7 +242,13 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--clients", type=int, default=12, help="client processes (speculators' --num-workers)")
+    ap.add_argument(
+        "--clients",
+        type=int,
+        nargs="+",
+        default=[12],
+        help="client processes (speculators' --num-workers); several counts take turns on one server",
+    )
     ap.add_argument("--spool", action="append", required=True, help="folder for both modes' files (repeatable)")
     ap.add_argument("--fp8", action="store_true", help="FP8 storage (--storage-dtype fp8) in both modes")
     ap.add_argument(
@@ -275,39 +286,50 @@ def main() -> None:
     for spool in map(Path, args.spool):
         spool.mkdir(parents=True, exist_ok=True)
         off = [] if args.no_offline else [offline(args, data, spool) for _ in range(args.reps)]
-        passes, said = serve_pass(args, datapath, spool, replicas=args.replicas[0])
-        on = [p["rows_s"] for p in passes]
-        row = {"spool": str(spool), "offline_rows_s": off, "online_rows_s": on, "online_passes": passes,
-               "server": said, "ratio": statistics.median(on) / statistics.median(off) if off else None}  # fmt: skip
-        for k in args.replicas[1:]:
-            passes, row[f"server_replicas_{k}"] = serve_pass(args, datapath, spool, replicas=k)
-            row[f"online_rows_s_replicas_{k}"] = [p["rows_s"] for p in passes]
+        file_passes, said = serve_pass(args, datapath, spool, replicas=args.replicas[0])
+        more = {k: serve_pass(args, datapath, spool, replicas=k) for k in args.replicas[1:]}
         if args.mooncake:
             master = Master()
             try:
-                passes, row["mooncake_server"] = serve_pass(args, datapath, spool, master.address)
+                mooncake = serve_pass(args, datapath, spool, master.address)
             finally:
                 master.stop()
-            row["mooncake_rows_s"], row["mooncake_passes"] = [p["rows_s"] for p in passes], passes
-            row["mooncake_vs_file"] = statistics.median(row["mooncake_rows_s"]) / statistics.median(on)
-        results.append(row)
-        print(f"{spool}: {json.dumps(row)}", flush=True)
-    print(f"{args.model}, {args.rows} rows x {args.prompt_len} tokens, {args.clients} client processes")
+        for clients, passes in file_passes.items():
+            on = [p["rows_s"] for p in passes]
+            row = {"spool": str(spool), "clients": clients, "offline_rows_s": off, "online_rows_s": on,
+                   "online_passes": passes, "server": said,
+                   "ratio": statistics.median(on) / statistics.median(off) if off else None}  # fmt: skip
+            for k, (by_clients, replicas_said) in more.items():
+                row[f"server_replicas_{k}"] = replicas_said
+                row[f"online_rows_s_replicas_{k}"] = [p["rows_s"] for p in by_clients[clients]]
+            if args.mooncake:
+                row["mooncake_passes"], row["mooncake_server"] = mooncake[0][clients], mooncake[1]
+                row["mooncake_rows_s"] = [p["rows_s"] for p in row["mooncake_passes"]]
+                row["mooncake_vs_file"] = statistics.median(row["mooncake_rows_s"]) / statistics.median(on)
+            results.append(row)
+            print(f"{spool}, {clients} clients: {json.dumps(row)}", flush=True)
+    print(f"{args.model}, {args.rows} rows x {args.prompt_len} tokens")
     if len(args.replicas) > 1:
-        print("| spool | " + " | ".join(f"online rows/s, {k} replicas" for k in args.replicas) + " |")
+        print("| spool | clients | " + " | ".join(f"online rows/s, {k} replicas" for k in args.replicas) + " |")
         for r in results:
             each = [r["online_rows_s"]] + [r[f"online_rows_s_replicas_{k}"] for k in args.replicas[1:]]
-            print(f"| {r['spool']} | " + " | ".join(f"{statistics.median(x):.1f}" for x in each) + " |")
-    print("| spool | offline rows/s | online rows/s (file) | online/offline | mooncake rows/s | mooncake/file |")
+            print(
+                f"| {r['spool']} | {r['clients']} | " + " | ".join(f"{statistics.median(x):.1f}" for x in each) + " |"
+            )
+    print(
+        "| spool | clients | offline rows/s | online rows/s (file) | online/offline | mooncake rows/s | mooncake/file |"
+    )
     for r in results:
         off = f"{statistics.median(r['offline_rows_s']):.1f}" if r["offline_rows_s"] else "-"
         ratio = f"{r['ratio']:.3f}" if r["ratio"] else "-"
         mc = "- | -"
         if args.mooncake:
             mc = f"{statistics.median(r['mooncake_rows_s']):.1f} | {r['mooncake_vs_file']:.3f}"
-        print(f"| {r['spool']} | {off} | {statistics.median(r['online_rows_s']):.1f} | {ratio} | {mc} |")
+        print(
+            f"| {r['spool']} | {r['clients']} | {off} | {statistics.median(r['online_rows_s']):.1f} | {ratio} | {mc} |"
+        )
     print(
-        "| spool | pass | rows/s | engine busy / waiting for workers / of it in the workers / starved (s) "
+        "| spool | clients | pass | rows/s | engine busy / waiting for workers / of it in the workers / starved (s) "
         "| row in server, mean (s) "
         "| row in client, median / p90 (s) |"
     )
@@ -317,7 +339,7 @@ def main() -> None:
             eng = " / ".join("-" if p.get(k) is None else f"{p[k]:.2f}" for k in keys)
             srv = "-" if p.get("server_row_s_mean") is None else f"{p['server_row_s_mean']:.3f}"
             print(
-                f"| {r['spool']} | {i + 1} | {p['rows_s']:.1f} | {eng} of {p['seconds']:.2f} | {srv} "
+                f"| {r['spool']} | {r['clients']} | {i + 1} | {p['rows_s']:.1f} | {eng} of {p['seconds']:.2f} | {srv} "
                 f"| {p['client_row_s_median']:.3f} / {p['client_row_s_p90']:.3f} |"
             )
     if args.json:

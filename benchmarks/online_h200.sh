@@ -5,7 +5,8 @@
 # PROMPT_LEN=2048 for the rows of the offline figures at these widths); spools on tmpfs (/dev/shm) and on the machine's disk
 # (the repository's folder).
 #   LOCK=gpu/requirements-gpu-vllm-0.26.0.lock bash scripts/gpu_run.sh /tmp/pieces bash benchmarks/online_h200.sh smollm2|llama8b|kimi4l OUT [shm|disk|mooncake]
-# CLIENTS=N: client processes (default 12, speculators' data-loader workers of one rank; 8 ranks keep 96 rows in flight).
+# CLIENTS=N: client processes (default 12, speculators' data-loader workers of one rank; 8 ranks keep 96 rows in flight);
+# CLIENTS="96 48": each count in turn against the same server (one offline, one server start).
 # ROWS, PROMPT_LEN, REPS: the rows, their tokens and the passes (default 256, 1,024 and 2); FP8=1: FP8 storage.
 # (one spool: a call of 600 s holds one; both without the third argument).  `mooncake`: the file transfer and
 # `serve --transfer mooncake` (a mooncake_master on loopback TCP), both on tmpfs, no offline pass; it needs
@@ -45,8 +46,9 @@ spools=(--spool /dev/shm/spool --spool "$disk")
 [ "$only" = shm ] && spools=(--spool /dev/shm/spool)
 [ "$only" = disk ] && spools=(--spool "$disk")
 [ "$only" = mooncake ] && spools=(--spool /dev/shm/spool --mooncake --no-offline)
-args+=(--rows "${ROWS:-256}" --prompt-len "${PROMPT_LEN:-1024}" --reps "${REPS:-2}")
-tag=$which-$only-c${CLIENTS:-12}-t${PROMPT_LEN:-1024}
+read -ra clients <<< "${CLIENTS:-12}"
+args+=(--rows "${ROWS:-256}" --prompt-len "${PROMPT_LEN:-1024}" --reps "${REPS:-2}" --clients "${clients[@]}")
+tag=$which-$only-c$(IFS=-; echo "${clients[*]}")-t${PROMPT_LEN:-1024}
 case ${FP8:-0} in 1) args+=(--fp8) && tag+=-fp8 ;; 0) ;; *) echo "FP8=$FP8: give 1 or 0" >&2; exit 1 ;; esac
-python3 benchmarks/online.py "${args[@]}" --dtype bfloat16 --clients "${CLIENTS:-12}" "${spools[@]}" \
+python3 benchmarks/online.py "${args[@]}" --dtype bfloat16 "${spools[@]}" \
   --json "$out/online-$tag.json" 2>&1 | tee "$out/online-$tag.log" | grep -v -i warning | tail -20
