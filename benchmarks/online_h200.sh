@@ -8,6 +8,8 @@
 # CLIENTS=N: client processes (default 12, speculators' data-loader workers of one rank; 8 ranks keep 96 rows in flight);
 # CLIENTS="96 48": each count in turn against the same server (one offline, one server start).
 # ROWS, PROMPT_LEN, REPS: the rows, their tokens and the passes (default 256, 1,024 and 2); FP8=1: FP8 storage.
+# EXPERTS=N: kimi4l with N of its 384 routed experts a layer (192: about 56 GB, so it fits an H100; the same widths
+# and 8 experts a token).
 # (one spool: a call of 600 s holds one; both without the third argument).  `mooncake`: the file transfer and
 # `serve --transfer mooncake` (a mooncake_master on loopback TCP), both on tmpfs, no offline pass; it needs
 # Mooncake's cp312 wheel in .whl/ too (mooncake_transfer_engine*.whl; it links libibverbs.so.1, which the
@@ -24,20 +26,23 @@ if [ "$only" = mooncake ]; then
 fi
 disk=$PWD/spool-disk
 mkdir -p /dev/shm/spool "$disk"
-dummy() {  # dummy MODEL CONFIG [LAYERS]: the config (cut to LAYERS layers) and SmolLM2's tokenizer in MODEL
+dummy() {  # dummy MODEL CONFIG [LAYERS]: the config (cut to LAYERS layers, EXPERTS experts) and SmolLM2's tokenizer in MODEL
   mkdir -p "$1"
-  python3 -c "import json, pathlib, shutil, sys; from eagle_extract.smollm2 import ensure_smollm2
+  python3 -c "import json, os, pathlib, shutil, sys; from eagle_extract.smollm2 import ensure_smollm2
 config = json.load(open(sys.argv[2]))
 if len(sys.argv) > 3:
     config['num_hidden_layers'] = int(sys.argv[3])
+if os.environ.get('EXPERTS'):
+    config['n_routed_experts'] = int(os.environ['EXPERTS'])
 json.dump(config, open(sys.argv[1] + '/config.json', 'w'))
 src = ensure_smollm2()
 [shutil.copy(f, sys.argv[1]) for f in pathlib.Path(src).iterdir() if f.name.startswith('tokenizer') or f.suffix == '.jinja']" "$@"
 }
 case $which in
-  llama8b) dummy /tmp/llama-3.1-8b benchmarks/configs/llama-3.1-8b/config.json
+  llama8b) EXPERTS= dummy /tmp/llama-3.1-8b benchmarks/configs/llama-3.1-8b/config.json
            args=(--model /tmp/llama-3.1-8b --dummy) ;;
   kimi4l) dummy /tmp/kimi-k2.5-text-4l benchmarks/configs/kimi-k2.5-text/config.json 4
+          if [ -n "${EXPERTS:-}" ]; then which+=-e$EXPERTS; fi
           args=(--model /tmp/kimi-k2.5-text-4l --dummy --extra='--layers 1,2,3') ;;
   smollm2) args=(--model smollm2) ;;
   *) echo "online_h200.sh: $which: give smollm2, llama8b or kimi4l" >&2; exit 1 ;;
