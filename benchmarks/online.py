@@ -209,10 +209,10 @@ def online(pool, rows: int, port: int | None) -> dict:
 
 def serve_pass(
     args, datapath: Path, spool: Path, master: str | None = None, replicas: int = 1
-) -> tuple[list[dict], str]:
+) -> tuple[dict[int, list[dict]], str]:
     """One server (the file transfer, or the mooncake one through `master`) and, for each `--clients` count in
     turn, that many client processes' `--reps` passes over every row: each count's passes' figures (`online`), and
-    the server's last line."""
+    the server's last line (its whole run, every count's)."""
     extra = () if master is None else ("--transfer", "mooncake", "--mooncake-master", master,
                                        "--mooncake-global-segment-gib", str(args.mooncake_segment_gib))  # fmt: skip
     extra += ("--replicas", str(replicas)) if replicas > 1 else ()
@@ -228,6 +228,7 @@ def serve_pass(
                     raise SystemExit(f"{len(unready)} of {2 * clients} client checks failed, first: {unready[0]}")
                 port = server.port if replicas == 1 else None
                 on[clients] = [online(pool, args.rows, port) for _ in range(args.reps)]
+            print(f"{spool}, {clients} clients: {json.dumps(on[clients])}", flush=True)  # kept if a later count fails
     finally:
         said = server.stop()
     print(f"server ({'mooncake' if master else 'file'}): {said}", flush=True)
@@ -260,6 +261,8 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, nargs="+", default=[1], help="serve with each number of replicas")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if len(set(args.clients)) < len(args.clients):
+        ap.error(f"--clients {' '.join(map(str, args.clients))}: give each count once")
     if args.fp8 and args.mooncake:
         ap.error("--fp8 with --mooncake: serve refuses FP8 rows over Mooncake")
     from datasets import Dataset
@@ -297,7 +300,7 @@ def main() -> None:
         for clients, passes in file_passes.items():
             on = [p["rows_s"] for p in passes]
             row = {"spool": str(spool), "clients": clients, "offline_rows_s": off, "online_rows_s": on,
-                   "online_passes": passes, "server": said,
+                   "online_passes": passes, "server": said, "server_clients": args.clients,
                    "ratio": statistics.median(on) / statistics.median(off) if off else None}  # fmt: skip
             for k, (by_clients, replicas_said) in more.items():
                 row[f"server_replicas_{k}"] = replicas_said
@@ -343,7 +346,10 @@ def main() -> None:
                 f"| {p['client_row_s_median']:.3f} / {p['client_row_s_p90']:.3f} |"
             )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        config_file = Path(args.model) / "config.json"  # the shape a dummy run was cut to, kept beside its figures
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        shape = {k: config[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts") if k in config}
+        Path(args.json).write_text(json.dumps({"args": vars(args), "model_shape": shape, "results": results}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
 
 
