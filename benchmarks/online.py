@@ -228,7 +228,8 @@ def serve_pass(
                     raise SystemExit(f"{len(unready)} of {2 * clients} client checks failed, first: {unready[0]}")
                 port = server.port if replicas == 1 else None
                 on[clients] = [online(pool, args.rows, port) for _ in range(args.reps)]
-            print(f"{spool}, {clients} clients: {json.dumps(on[clients])}", flush=True)  # kept if a later count fails
+            kind = ("mooncake" if master else "file") + (f", {replicas} replicas" if replicas > 1 else "")
+            print(f"{spool}, {kind} server, {clients} clients, passes: {json.dumps(on[clients])}", flush=True)
     finally:
         said = server.stop()
     print(f"server ({'mooncake' if master else 'file'}): {said}", flush=True)
@@ -261,8 +262,13 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, nargs="+", default=[1], help="serve with each number of replicas")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if len(set(args.clients)) < len(args.clients):
-        ap.error(f"--clients {' '.join(map(str, args.clients))}: give each count once")
+    for name, counts in (("--clients", args.clients), ("--replicas", args.replicas)):
+        if len(set(counts)) < len(counts):
+            ap.error(f"{name} {' '.join(map(str, counts))}: give each count once")
+    config_file = Path(args.model) / "config.json"  # the shape a dummy run was cut to, kept beside its figures
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config = config.get("text_config", config)
+    shape = {k: config[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts") if k in config}
     if args.fp8 and args.mooncake:
         ap.error("--fp8 with --mooncake: serve refuses FP8 rows over Mooncake")
     from datasets import Dataset
@@ -346,9 +352,6 @@ def main() -> None:
                 f"| {p['client_row_s_median']:.3f} / {p['client_row_s_p90']:.3f} |"
             )
     if args.json:
-        config_file = Path(args.model) / "config.json"  # the shape a dummy run was cut to, kept beside its figures
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        shape = {k: config[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts") if k in config}
         Path(args.json).write_text(json.dumps({"args": vars(args), "model_shape": shape, "results": results}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
 
