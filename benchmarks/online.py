@@ -217,6 +217,7 @@ def serve_pass(
                                        "--mooncake-global-segment-gib", str(args.mooncake_segment_gib))  # fmt: skip
     extra += ("--replicas", str(replicas)) if replicas > 1 else ()
     server = Serving(args, spool, *extra)
+    kind = ("mooncake" if master else "file") + (f", {replicas} replicas" if replicas > 1 else "")
     on = {}
     try:
         init = (str(datapath), server.port, args.model, args.prompt_len + 1, master, args.fp8)
@@ -228,11 +229,10 @@ def serve_pass(
                     raise SystemExit(f"{len(unready)} of {2 * clients} client checks failed, first: {unready[0]}")
                 port = server.port if replicas == 1 else None
                 on[clients] = [online(pool, args.rows, port) for _ in range(args.reps)]
-            kind = ("mooncake" if master else "file") + (f", {replicas} replicas" if replicas > 1 else "")
             print(f"{spool}, {kind} server, {clients} clients, passes: {json.dumps(on[clients])}", flush=True)
     finally:
         said = server.stop()
-    print(f"server ({'mooncake' if master else 'file'}): {said}", flush=True)
+    print(f"server ({kind}): {said}", flush=True)
     return on, said
 
 
